@@ -1,0 +1,224 @@
+"""A small GPT, readable top to bottom, and the LightningModule that trains it.
+
+The model is plain PyTorch with no knowledge of sharding: the strategy applies FSDP2 to it from the
+outside (one unit per `Block`), so `blocks` is a ModuleList of identical blocks on purpose.
+"""
+
+import math
+from dataclasses import dataclass
+
+import lightning.pytorch as pl
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256  # byte-level tokens
+    block_size: int = 128  # longest context the position embedding covers
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear and LayerNorm layers
+    tie_weights: bool = False  # share tok_emb.weight with lm_head.weight
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        # (B, T, C) -> (B, n_head, T, head_size)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+        self.pos_emb = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_weights:
+            self.lm_head.weight = self.tok_emb.weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """(Re)initialize every weight; callable again after materializing a meta-device model."""
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+        if isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
+
+    def num_params(self) -> int:
+        # parameters() yields a tied weight once, so it is counted once
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        B, T = idx.shape
+        assert T <= self.config.block_size, f"sequence of {T} tokens, block_size is {self.config.block_size}"
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        loss = None
+        if targets is not None:
+            # float32 so that bf16 logits do not round the log-softmax
+            loss = F.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T))
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(
+        self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None
+    ) -> torch.Tensor:
+        """Append `max_new_tokens` sampled tokens to `idx` (B, T) and return the longer sequence."""
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.config.block_size :])
+            logits = logits[:, -1, :].float() / temperature
+            if top_k is not None:
+                kth_largest = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                logits = logits.masked_fill(logits < kth_largest, -math.inf)
+            next_token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            idx = torch.cat([idx, next_token], dim=1)
+        return idx
+
+
+class GPTModule(pl.LightningModule):
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        block_size: int = 128,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 128,
+        dropout: float = 0.0,
+        bias: bool = True,
+        tie_weights: bool = False,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        lr_step_size: int = 0,  # > 0: multiply the lr by lr_gamma every lr_step_size optimizer steps
+        lr_gamma: float = 0.5,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = GPT(
+            GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout, bias, tie_weights)
+        )
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        return self.model(idx, targets)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        _, loss = self.model(x, y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        _, loss = self.model(x, y)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        _, loss = self.model(x, y)
+        self.log("test_loss", loss, sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        """The most likely next token after every position: (B, T) ids."""
+        logits, _ = self.model(batch[0])
+        return logits.argmax(dim=-1)
+
+    def configure_optimizers(self):
+        # Runs after the strategy has sharded the model, so look parameters up now, not in __init__.
+        # Embeddings are 2-D but act as lookup tables: decaying them only shrinks rare tokens.
+        embedding_params = {
+            id(p) for m in self.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
+        }
+        decay, no_decay = [], []
+        for p in self.parameters():
+            if not p.requires_grad:
+                continue
+            is_matrix = p.dim() >= 2 and id(p) not in embedding_params
+            (decay if is_matrix else no_decay).append(p)
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": hp.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=hp.lr,
+            betas=tuple(hp.betas),
+            eps=hp.eps,
+        )
+        if hp.lr_step_size <= 0:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=hp.lr_step_size, gamma=hp.lr_gamma)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def sample(
+        self, prompt: bytes, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None
+    ) -> bytes:
+        """Continue a byte string; returns the prompt followed by `max_new_tokens` generated bytes.
+
+        With a sharded model every rank must call this together (each forward all-gathers).
+        """
+        device = next(self.model.parameters()).device
+        idx = torch.tensor([list(prompt)], dtype=torch.long, device=device)
+        out = self.model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k)
+        return bytes(out[0].tolist())

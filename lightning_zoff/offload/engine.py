@@ -1,0 +1,250 @@
+"""The data path of a gradient, per rank: from FSDP2's reduce-scatter to the updated 16-bit parameter shard.
+
+1. Backward. FSDP2 reduce-scatters each unit's gradients into one flat shard as a plain sum over ranks (divide
+   factor 1: the 1/world is folded into the step's scale) and calls `_on_unit_reduced` on the copy stream. We copy
+   the shard, still in the parameter dtype (2 B/param in 16-bit modes), into the unit's pinned `grad_staging`
+   without blocking, and record an event.
+2. End of each backward (`after_backward`). Wait for those copies, add each shard into the unit's fp32 host
+   `grad_sum` (a plain copy on the first micro-batch of the window), and drop FSDP2's `.grad` views so no
+   gradient stays on the accelerator between micro-batches.
+3. Step (`step`). The global norm of the averaged gradient (per-rank sum of squares, all-reduced) decides:
+   skip when it is not finite, else scale once by 1/world x the clip factor. Adam/AdamW updates the fp32
+   master and moments on the host, the master is cast to the parameter dtype into the pinned `param_staging`,
+   and that goes host-to-device into FSDP2's sharded parameters, where the next all-gather reads it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_zoff.offload.buffers import host_empty
+from lightning_zoff.offload.layout import UnitLayout, unit_layout
+from lightning_zoff.optim.rules import GroupHyperparams, update_rule_for
+from lightning_zoff.optim.update import adam_update
+
+
+@dataclass
+class Segment:
+    """A contiguous run of one unit's flat shard whose parameters share a param group."""
+
+    group_index: int
+    start: int
+    end: int
+    step: int = 0  # optimizer steps taken (torch keeps this per parameter; a segment steps as one)
+
+
+@dataclass
+class HostUnit:
+    layout: UnitLayout
+    segments: list[Segment]
+    master: torch.Tensor  # fp32
+    exp_avg: torch.Tensor  # fp32
+    exp_avg_sq: torch.Tensor  # fp32
+    grad_sum: torch.Tensor  # fp32 sum of this window's micro-batch gradients (a sum over ranks too)
+    grad_staging: torch.Tensor  # param dtype, pinned: lands the reduced shard
+    param_staging: torch.Tensor  # param dtype, pinned: leaves for the accelerator
+    grad_copied: torch.cuda.Event | None = None
+    params_copied: torch.cuda.Event | None = None
+    grad_arrived: bool = False  # in this backward
+    has_grad: bool = False  # in this accumulation window
+    host_tensors: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    grad_norm: float  # of the averaged, unclipped gradient
+    clip_coef: float  # applied to the gradient (1.0 when not clipped)
+    skipped: bool  # non-finite gradient: nothing changed
+
+
+def _record_event(device: torch.device) -> torch.cuda.Event | None:
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+class OffloadEngine:
+    """Holds one rank's fp32 master shard and optimizer state and runs the update for every FSDP2 unit."""
+
+    def __init__(
+        self,
+        units: list[tuple[str, nn.Module]],
+        masters: dict[int, torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        *,
+        world_size: int,
+        state_device: torch.device,
+        pin_memory: bool,
+    ) -> None:
+        self.rule = update_rule_for(optimizer)
+        self.world_size = world_size
+        self.state_device = state_device
+        group_of = {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
+        self.units: list[HostUnit] = []
+        self._modules: list[nn.Module] = []
+        covered: set[int] = set()
+        for name, module in units:
+            layout = unit_layout(name, module, world_size)
+            if not layout.slots:
+                continue
+            covered.update(id(s.param) for s in layout.slots)
+            self.units.append(self._host_unit(layout, masters, group_of, pin_memory))
+            self._modules.append(module)
+        missing = set(group_of) - covered
+        if missing:
+            raise ValueError(
+                f"{len(missing)} parameter(s) of the optimizer are not parameters of the sharded model; zoff can"
+                " only optimize the LightningModule's own parameters, passed after sharding (configure_optimizers)."
+            )
+        self.param_device = self.units[0].layout.slots[0].local.device if self.units else state_device
+        self.copy_stream = torch.cuda.Stream(self.param_device) if self.param_device.type == "cuda" else None
+
+    def _host_unit(
+        self, layout: UnitLayout, masters: dict[int, torch.Tensor], group_of: dict[int, int], pin: bool
+    ) -> HostUnit:
+        n, dev = layout.flat_numel, self.state_device
+        param_dtype = layout.slots[0].local.dtype
+        fp32 = [torch.zeros(n, dtype=torch.float32, device=dev) for _ in range(4)]
+        master, exp_avg, exp_avg_sq, grad_sum = fp32
+        for slot in layout.slots:
+            master[slot.offset : slot.offset + slot.numel].copy_(masters[id(slot.param)].reshape(-1))
+        segments: list[Segment] = []
+        for slot in layout.slots:
+            group = group_of.get(id(slot.param))
+            if group is None:
+                continue  # not in the optimizer: never updated, as with torch
+            end = slot.offset + slot.padded_numel
+            if segments and segments[-1].group_index == group and segments[-1].end == slot.offset:
+                segments[-1].end = end
+            else:
+                segments.append(Segment(group, slot.offset, end))
+        grad_staging = host_empty(n, param_dtype, dev, pin)
+        param_staging = host_empty(n, param_dtype, dev, pin)
+        return HostUnit(
+            layout, segments, master, exp_avg, exp_avg_sq, grad_sum, grad_staging, param_staging,
+            host_tensors=[master, exp_avg, exp_avg_sq, grad_sum, grad_staging, param_staging],
+        )
+
+    # -- backward -------------------------------------------------------------------------------------------
+
+    def attach(self) -> None:
+        """Register the reduce hook on every unit; FSDP2 then sums (not averages) gradients over ranks."""
+        for unit, module in zip(self.units, self._modules):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no AVG; the 1/world goes into the step
+            module.set_all_reduce_hook(lambda flat, unit=unit: self._on_unit_reduced(unit, flat), stream=self.copy_stream)
+
+    def _on_unit_reduced(self, unit: HostUnit, flat_grad: torch.Tensor) -> None:
+        # Runs inside FSDP2's backward, on the copy stream; FSDP2's later use of `flat_grad` is on this stream too.
+        if flat_grad.numel() != unit.layout.flat_numel:
+            raise RuntimeError(
+                f"zoff: unit {unit.layout.name!r} reduced {flat_grad.numel()} gradient elements, expected"
+                f" {unit.layout.flat_numel}; this torch version lays out FSDP2 shards differently."
+            )
+        unit.grad_staging.copy_(flat_grad, non_blocking=True)
+        unit.grad_copied = _record_event(self.param_device)
+        unit.grad_arrived = True
+
+    @torch.no_grad()
+    def after_backward(self) -> None:
+        for unit in self.units:
+            if unit.grad_arrived:
+                if unit.grad_copied is not None:
+                    unit.grad_copied.synchronize()
+                if unit.has_grad:
+                    unit.grad_sum.add_(unit.grad_staging)
+                else:
+                    unit.grad_sum.copy_(unit.grad_staging)
+                unit.has_grad, unit.grad_arrived = True, False
+            for slot in unit.layout.slots:
+                slot.param.grad = None
+
+    # -- step -----------------------------------------------------------------------------------------------
+
+    def _global_grad_norm(self) -> float:
+        sq = torch.zeros((), dtype=torch.float64)
+        for unit in self.units:
+            if unit.has_grad:
+                sq += torch.linalg.vector_norm(unit.grad_sum, dtype=torch.float32).double().cpu() ** 2
+        if dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(sq)  # a CPU tensor: gloo, also under "cpu:gloo,cuda:nccl"
+        return math.sqrt(sq.item()) / self.world_size
+
+    @torch.no_grad()
+    def step(self, optimizer: torch.optim.Optimizer, max_norm: float | None) -> StepOutcome:
+        """Update every unit that received a gradient in this window; every rank reaches the same decision."""
+        norm = self._global_grad_norm()
+        if not math.isfinite(norm):
+            self._close_window()
+            return StepOutcome(norm, 1.0, skipped=True)
+        clip_coef = 1.0
+        if max_norm is not None and max_norm > 0:
+            clip_coef = min(1.0, max_norm / (norm + 1e-6))
+        scale = clip_coef / self.world_size
+        hyper = [GroupHyperparams.of(g) for g in optimizer.param_groups]
+        for unit in self.units:
+            if not unit.has_grad:
+                continue  # no gradient in this window: like torch, leave parameter and state alone
+            if unit.params_copied is not None:
+                unit.params_copied.synchronize()  # param_staging still feeds last step's copy
+            for seg in unit.segments:
+                seg.step += 1
+                s, e = seg.start, seg.end
+                grad = unit.grad_sum[s:e].mul_(scale)
+                adam_update(self.rule, hyper[seg.group_index], seg.step,
+                            unit.master[s:e], grad, unit.exp_avg[s:e], unit.exp_avg_sq[s:e])
+            unit.param_staging.copy_(unit.master)
+            for slot in unit.layout.slots:
+                local = slot.local
+                local.copy_(unit.param_staging[slot.offset : slot.offset + slot.numel].view_as(local), non_blocking=True)
+            unit.params_copied = _record_event(self.param_device)
+        self._close_window()
+        return StepOutcome(norm, clip_coef, skipped=False)
+
+    def _close_window(self) -> None:
+        for unit in self.units:
+            unit.has_grad = False
+
+    # -- accounting -----------------------------------------------------------------------------------------
+
+    def memory_report(self) -> dict[str, float]:
+        """Bytes this rank holds, by kind, and per parameter element of its shard."""
+        local_numel = sum(s.numel for u in self.units for s in u.layout.slots)
+        accel_params = sum(s.numel * s.local.element_size() for u in self.units for s in u.layout.slots)
+        host = {
+            "host_master": sum(u.master.nbytes for u in self.units),
+            "host_optimizer_state": sum(u.exp_avg.nbytes + u.exp_avg_sq.nbytes for u in self.units),
+            "host_grad_sum": sum(u.grad_sum.nbytes for u in self.units),
+            "host_staging": sum(u.grad_staging.nbytes + u.param_staging.nbytes for u in self.units),
+        }
+        host_total = sum(host.values())
+        return {
+            "local_params": local_numel,
+            "accelerator_params": accel_params,
+            # the largest unit's reduced gradient lives on the accelerator only until it reaches the host
+            "accelerator_grad_peak": max((u.layout.flat_numel * u.grad_staging.element_size() for u in self.units), default=0),
+            **host,
+            "host_total": host_total,
+            "accelerator_bytes_per_param": accel_params / max(local_numel, 1),
+            "host_bytes_per_param": host_total / max(local_numel, 1),
+        }
+
+
+def describe_memory(report: dict[str, float]) -> str:
+    """One line: sizes in MiB, ratios in bytes per parameter element."""
+    parts = []
+    for key, value in report.items():
+        if key == "local_params":
+            parts.append(f"{key}={int(value):,}")
+        elif key.endswith("_per_param"):
+            parts.append(f"{key}={value:.2f}")
+        else:
+            parts.append(f"{key}={value / 2**20:.1f} MiB")
+    return ", ".join(parts)

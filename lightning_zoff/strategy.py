@@ -1,0 +1,298 @@
+"""ZoffStrategy: Lightning glue for ZeRO-3 sharding (FSDP2) with the optimizer on the CPU. No tensor math here."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection, _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from lightning_zoff.checkpoint import full_state_dict
+from lightning_zoff.launchers import ZoffMultiProcessingLauncher
+from lightning_zoff.offload import OffloadEngine, describe_memory
+from lightning_zoff.precision import ZoffPrecision
+from lightning_zoff.sharding import is_sharded, plan_units, shard_model
+
+log = logging.getLogger("lightning_zoff")
+
+StartMethod = Literal["subprocess", "fork", "spawn", "forkserver"]
+
+
+class ZoffStrategy(ParallelStrategy):
+    """ZeRO-3 training: FSDP2 shards parameters on the accelerator; fp32 master and optimizer state live per rank
+    on the host (``offload=True``) or on the accelerator (``offload=False``).
+
+    Args:
+        offload: keep the fp32 master weights and optimizer state in host memory and run the update on the CPU.
+        wrap_policy: module classes that become FSDP2 units; default: the repeated children of `nn.ModuleList`s.
+        start_method: ``"subprocess"`` re-runs the script per rank (Lightning's default); ``"fork"``/``"spawn"``
+            start ranks with multiprocessing (fork is the fast choice for CPU tests).
+        pin_memory: pin host buffers (falls back to pageable memory with a warning when the OS refuses).
+        process_group_backend: default ``"cpu:gloo,cuda:nccl"`` on GPU (host tensors need gloo), ``"gloo"`` on CPU.
+    """
+
+    strategy_name = "zoff"
+
+    def __init__(
+        self,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Precision | None = None,
+        *,
+        offload: bool = True,
+        wrap_policy: set[type[nn.Module]] | list[type[nn.Module]] | None = None,
+        start_method: StartMethod = "subprocess",
+        pin_memory: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        if start_method not in ("subprocess", "fork", "spawn", "forkserver"):
+            raise ValueError(f"start_method={start_method!r}; choose 'subprocess', 'fork', 'spawn' or 'forkserver'.")
+        super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
+        self.offload = bool(offload)
+        self.wrap_policy = set(wrap_policy) if wrap_policy else None
+        self.start_method = start_method
+        self.pin_memory = bool(pin_memory)
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self.num_nodes = 1
+        self.engine: OffloadEngine | None = None
+        self._units: list[tuple[str, nn.Module]] = []
+        self._masters: dict[int, torch.Tensor] = {}
+
+    # -- precision: whatever the `precision=` flag built becomes a ZoffPrecision ----------------------------
+
+    @property
+    def precision_plugin(self) -> ZoffPrecision:
+        return self._precision_plugin if self._precision_plugin is not None else ZoffPrecision("32-true")
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        if plugin is not None and not isinstance(plugin, ZoffPrecision):
+            plugin = ZoffPrecision(getattr(plugin, "precision", "32-true"))
+        self._precision_plugin = plugin
+
+    # -- processes and devices ------------------------------------------------------------------------------
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning adds the DistributedSampler and syncs `self.log(sync_dist=True)` only when this is True.
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str:
+        if self._process_group_backend is None:
+            self._process_group_backend = "cpu:gloo,cuda:nccl" if self.root_device.type == "cuda" else "gloo"
+        return self._process_group_backend
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally:
+            return
+        if self.start_method == "subprocess":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = ZoffMultiProcessingLauncher(self, start_method=self.start_method)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout)
+
+    # -- model and optimizer --------------------------------------------------------------------------------
+
+    def setup(self, trainer: Any) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        self._check_supported(trainer, module)
+        self.precision_plugin.device_type = self.root_device.type
+        if not is_sharded(module):
+            self._units = plan_units(module, self.wrap_policy)
+            mesh = init_device_mesh(self.root_device.type, (self.world_size,))
+            self._masters = shard_model(module, self._units, mesh, self.precision_plugin.param_dtype)
+            module.to(self.root_device)  # buffers and anything FSDP2 did not move
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        # FSDP2's unsharded parameters must not become inference tensors, or a later fit cannot use them.
+        for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
+            loop.inference_mode = False
+
+    def _check_supported(self, trainer: Any, module: Any) -> None:
+        if not module.automatic_optimization:
+            raise ValueError(
+                "strategy='zoff' supports automatic optimization only: the optimizer step runs inside the"
+                " strategy. Remove `self.automatic_optimization = False` or use another strategy."
+            )
+        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value":
+            raise ValueError(
+                "strategy='zoff' clips gradients by norm only; use gradient_clip_algorithm='norm' (the default)."
+            )
+
+    def setup_optimizers(self, trainer: Any) -> None:
+        one_optimizer = (
+            "strategy='zoff' drives exactly one optimizer; configure_optimizers returned {}. Put all parameters in"
+            " one optimizer, using param groups for different settings."
+        )
+        try:
+            super().setup_optimizers(trainer)
+        except RuntimeError as err:
+            # Lightning's own message points at manual optimization, which zoff does not support.
+            if "multiple optimizers" in str(err):
+                raise ValueError(one_optimizer.format("several")) from err
+            raise
+        if len(self.optimizers) != 1:
+            raise ValueError(one_optimizer.format(len(self.optimizers)))
+        if self.engine is None:
+            state_device = torch.device("cpu") if self.offload else self.root_device
+            self.engine = OffloadEngine(
+                self._units, self._masters, self.optimizers[0],
+                world_size=self.world_size, state_device=state_device, pin_memory=self.pin_memory,
+            )
+            self.engine.attach()
+            self._masters = {}
+            self._log_memory()
+
+    def _log_memory(self) -> None:
+        assert self.engine is not None
+        self.memory_report = self.engine.memory_report()
+        log.info("zoff rank %d memory: %s", self.global_rank, describe_memory(self.memory_report))
+
+    # -- the training step ----------------------------------------------------------------------------------
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        assert self.engine is not None
+        self.engine.after_backward()
+        return closure_loss
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        # Lightning's precision plugin runs the closure (forward, backward, clipping hook) through
+        # `optimizer.step(closure)`. The engine took every gradient in backward, so torch's own step sees none and
+        # changes nothing; the update is the engine's.
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        assert self.engine is not None
+        self.last_step = self.engine.step(optimizer, self.precision_plugin.take_clip_request())
+        return result
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # fp32 masters after fitting; before, the accelerator's shards hold the weights. A collective.
+        if self.engine is not None:
+            return self.full_state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.lightning_module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        raise NotImplementedError(
+            "zoff cannot resume from a checkpoint yet (sharded save/resume is planned). Checkpoints written now hold"
+            " the full fp32 weights under 'state_dict': load them into the plain model with `load_state_dict`."
+        )
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The LightningModule's state dict with fp32 master weights, on every rank (a collective)."""
+        assert self.engine is not None
+        return full_state_dict(self.lightning_module, self.engine)
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        # Lightning's predict sampler does not repeat samples, so ranks can get different batch counts; a sharded
+        # forward then waits forever for the rank that ran out. Refuse before that happens.
+        batch_sampler = getattr(dataloader, "batch_sampler", None)
+        sampler = getattr(batch_sampler, "sampler", None)
+        if isinstance(sampler, UnrepeatedDistributedSamplerWrapper) and _distributed_is_initialized():
+            counts = [None] * self.world_size
+            dist.all_gather_object(counts, len(dataloader))
+            if len(set(counts)) > 1:
+                raise ValueError(
+                    f"zoff: the predict dataloader gives ranks different batch counts {counts}; every rank must"
+                    f" run the same number of sharded forwards. Pad the dataset to a multiple of"
+                    f" world_size x batch_size ({self.world_size} x {dataloader.batch_size})."
+                )
+        return dataloader
+
+    # -- collectives ----------------------------------------------------------------------------------------
+
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            "zoff", cls, description="ZeRO-3 (FSDP2) with the optimizer and fp32 master offloaded to the CPU",
+            offload=True,
+        )
+        strategy_registry.register(
+            "zoff_no_offload", cls, description="ZeRO-3 (FSDP2) with the optimizer on the accelerator",
+            offload=False,
+        )

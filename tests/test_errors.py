@@ -1,0 +1,84 @@
+"""Bad input stops before any training step, with a message that says what to do."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.multiprocessing import ProcessRaisedException
+
+from lightning_zoff import ZoffPrecision, ZoffStrategy
+from tiny import TinyModule, token_loader
+
+
+class NoStep(TinyModule):
+    def training_step(self, batch, batch_idx):
+        raise AssertionError("training must not start")
+
+
+class TwoOptimizers(NoStep):
+    def configure_optimizers(self):
+        half = len(list(self.parameters())) // 2
+        params = list(self.parameters())
+        return [torch.optim.AdamW(params[:half]), torch.optim.AdamW(params[half:])]
+
+
+class Manual(NoStep):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+
+def run(module, devices=1, **trainer_kwargs):
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=devices, strategy=ZoffStrategy(start_method="fork"), max_steps=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs,
+    )
+    trainer.fit(module, token_loader(n=16))
+
+
+def fails(error: type[Exception], match: str):
+    """The error, raised in the worker process the fork launcher started (it arrives wrapped, message kept)."""
+    return pytest.raises((error, ProcessRaisedException), match=f"{error.__name__}: .*{match}|^{match}")
+
+
+def test_unsupported_optimizer_names_the_supported():
+    with fails(TypeError, r"supports torch\.optim\.AdamW, torch\.optim\.Adam; configure_optimizers returned torch\.optim\.sgd\.SGD"):
+        run(NoStep("sgd"))
+
+
+def test_two_optimizers():
+    with fails(ValueError, "exactly one optimizer.*param groups"):
+        run(TwoOptimizers())
+
+
+def test_clip_by_value():
+    with fails(ValueError, "gradient_clip_algorithm='norm'"):
+        run(NoStep(), gradient_clip_val=1.0, gradient_clip_algorithm="value")
+
+
+def test_manual_optimization():
+    with fails(ValueError, "automatic optimization"):
+        run(Manual())
+
+
+def test_precision_64_is_refused_at_trainer_construction():
+    with pytest.raises(ValueError, match=r"precision='64-true'.*'32-true', 'bf16-mixed', 'bf16-true'"):
+        pl.Trainer(accelerator="cpu", devices=1, strategy="zoff", precision="64-true")
+
+
+def test_precision_flag_becomes_zoff_precision():
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="zoff", precision="bf16-true", logger=False)
+    assert isinstance(trainer.strategy.precision_plugin, ZoffPrecision)
+    assert trainer.strategy.precision_plugin.param_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="fp16"):
+        ZoffPrecision("16-mixed")
+
+
+def test_uneven_predict_is_refused(tmp_path):
+    module = TinyModule()
+    module.predict_step = lambda batch, batch_idx: module.model(batch[0]).argmax(-1)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ZoffStrategy(start_method="fork"), logger=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    with fails(ValueError, "different batch counts"):
+        trainer.predict(module, token_loader(n=5, batch_size=2))  # samples 3 + 2: batches 2 + 1

@@ -1,0 +1,99 @@
+"""zoff against torch's own optimizer under DDP: same per-step losses, sharded state, clear errors."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+
+import lightning_zoff
+from lightning_zoff import ZoffStrategy
+from tiny import Probe, TinyModule, read_probe, token_loader
+
+
+def fit(tmp_path, strategy, *, devices=2, precision="32-true", batch_size=4, max_steps=12, optimizer="adamw", **kw):
+    pl.seed_everything(7)
+    module = TinyModule(optimizer)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, precision=precision, max_steps=max_steps,
+        accumulate_grad_batches=2, gradient_clip_val=0.84, callbacks=[Probe(tmp_path)], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kw,
+    )
+    trainer.fit(module, train_dataloaders=token_loader(batch_size=batch_size))
+    return trainer, module
+
+
+def rel_err(a, b):
+    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    return ((a - b).abs() / b.abs()).max().item()
+
+
+@pytest.fixture(scope="module")
+def ddp_losses(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    _, module = fit(out, DDPStrategy(start_method="fork"))
+    return {**read_probe(out), "state_dict": module.state_dict()}
+
+
+def test_zoff_matches_ddp_adamw_fp32(tmp_path, ddp_losses):
+    trainer, module = fit(tmp_path, ZoffStrategy(start_method="fork"))
+    zoff = read_probe(tmp_path)
+    assert len(zoff["losses"]) == len(ddp_losses["losses"]) == 24  # 12 steps x 2 micro-batches
+    assert rel_err(zoff["losses"], ddp_losses["losses"]) < 1e-5
+    assert min(zoff["clip_coefs"]) < 1.0 == max(zoff["clip_coefs"])  # clipping active on some steps only
+    assert zoff["lr"] == ddp_losses["lr"]  # StepLR moved the same groups the same way
+    assert zoff["losses"][-1] < zoff["losses"][0] - 0.3  # it learns, so the comparison means something
+    # the main process got the trained fp32 master weights back (gathered from the shards), equal to DDP's
+    state = module.state_dict()
+    assert state.keys() == ddp_losses["state_dict"].keys()
+    for name, value in state.items():
+        assert value.dtype == torch.float32 and type(value) is torch.Tensor
+        torch.testing.assert_close(value, ddp_losses["state_dict"][name], rtol=1e-4, atol=1e-5)
+
+
+def test_zoff_bf16_mixed_close_to_ddp(tmp_path, ddp_losses):
+    fit(tmp_path, ZoffStrategy(start_method="fork"), precision="bf16-mixed")
+    zoff = read_probe(tmp_path)
+    assert zoff["param_dtypes"] == ["torch.bfloat16"]  # the accelerator holds only 16-bit shards
+    assert zoff["state_dtypes"] == ["torch.float32"] and zoff["state_devices"] == ["cpu"]
+    assert rel_err(zoff["losses"], ddp_losses["losses"]) < 0.03
+
+
+def test_each_rank_holds_its_share_of_master_and_state(tmp_path):
+    fit(tmp_path, ZoffStrategy(start_method="fork"), precision="bf16-true", max_steps=2)
+    ranks = [read_probe(tmp_path, r) for r in (0, 1)]
+    total = ranks[0]["num_params"]
+    for info in ranks:
+        mem = info["memory"]
+        assert info["torch_state_empty"]  # torch's optimizer holds no state: the engine does
+        # fp32 master 4 B and moments 8 B per element of this rank's padded shard, about total / world
+        assert mem["host_master"] * 2 == mem["host_optimizer_state"]
+        assert total / 2 <= mem["host_master"] / 4 <= total / 2 * 1.02
+        assert mem["accelerator_bytes_per_param"] == 2.0
+    assert sum(r["memory"]["local_params"] for r in ranks) == total
+
+
+def test_one_process_matches_torch(tmp_path):
+    out_ref = tmp_path / "ref"
+    out_ref.mkdir()
+    fit(out_ref, DDPStrategy(start_method="fork"), devices=1, batch_size=8)  # same sampler as zoff
+    fit(tmp_path, ZoffStrategy(start_method="fork"), devices=1, batch_size=8)
+    assert rel_err(read_probe(tmp_path)["losses"], read_probe(out_ref)["losses"]) < 1e-5
+
+
+def test_adam_l2_matches_ddp(tmp_path):
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    fit(ref, DDPStrategy(start_method="fork"), optimizer="adam", max_steps=6)
+    fit(tmp_path, ZoffStrategy(start_method="fork"), optimizer="adam", max_steps=6)
+    assert rel_err(read_probe(tmp_path)["losses"], read_probe(ref)["losses"]) < 1e-5
+
+
+def test_registered_names():
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="zoff", logger=False)
+    assert isinstance(trainer.strategy, ZoffStrategy) and trainer.strategy.offload
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="zoff_no_offload", logger=False)
+    assert isinstance(trainer.strategy, ZoffStrategy) and not trainer.strategy.offload
+    assert lightning_zoff.ZoffStrategy is ZoffStrategy
+
