@@ -1,0 +1,148 @@
+"""Side-by-side step time of offloaded and GPU-only training, one subprocess per run, one harness for all.
+
+    python scripts/bench.py                          # GPT 1.34B (d=2048, 24 layers, seq 1024, batch 8) on 1 GPU
+    python scripts/bench.py --model small --runs zoff gpu_only --accumulate 1
+
+Prints a table and writes bench/results/<date>_<machine>.json:
+{"machine": ..., "runs": [{"name", "accumulate", "step_s_median", "tokens_per_s", "exposed_optimizer_s",
+"peak_gpu_gb", "host_gb", "params"}, ...]}. "exposed_optimizer_s" is the median wall time from the end of the
+window's last backward (after clipping) to the end of the optimizer step: the time the GPU waits for the update.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MODELS = {
+    "gpt1b": dict(vocab_size=32000, block_size=1024, n_layer=24, n_head=16, n_embd=2048, bias=False),
+    "tiny": dict(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64, bias=False),  # CPU smoke test
+    "small": dict(vocab_size=32000, block_size=512, n_layer=4, n_head=8, n_embd=512, bias=False),
+}
+RUNS = ("gpu_only", "zoff", "zoff_no_offload")
+
+
+def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int, batch: int) -> dict:
+    import lightning.pytorch as pl
+    import torch
+
+    import lightning_zoff  # noqa: F401
+    from lightning_zoff.examples.corpus import SyntheticDataModule
+    from lightning_zoff.examples.gpt import GPTModule
+
+    cfg = MODELS[model_name]
+
+    class Timer(pl.Callback):
+        def __init__(self):
+            self.step_start, self.opt_start = None, None
+            self.steps, self.optimizer = [], []
+
+        def _now(self):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            return time.perf_counter()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if self.step_start is None:
+                self.step_start = self._now()
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.opt_start = self._now()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if self.opt_start is None:
+                return  # inside an accumulation window
+            end = self._now()
+            self.steps.append(end - self.step_start)
+            self.optimizer.append(end - self.opt_start)
+            self.step_start, self.opt_start = None, None
+
+    pl.seed_everything(0)
+    # gpu_only uses torch's default (foreach) AdamW on the GPU: Lightning refuses clipping with the fused one
+    module = GPTModule(**cfg, lr=1e-4)
+    params = sum(p.numel() for p in module.parameters())
+    data = SyntheticDataModule(vocab_size=cfg["vocab_size"], block_size=cfg["block_size"], batch_size=batch,
+                               num_samples=batch * accumulate * (steps + warmup) + batch)
+    strategy = {"gpu_only": "auto", "zoff": "zoff", "zoff_no_offload": "zoff_no_offload"}[name]
+    timer = Timer()
+    trainer = pl.Trainer(accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=1, strategy=strategy, precision="bf16-mixed",
+                         max_steps=steps + warmup, accumulate_grad_batches=accumulate, gradient_clip_val=1.0,
+                         callbacks=[timer], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(module, datamodule=data)
+    step_s = statistics.median(timer.steps[warmup:])
+    return {
+        "name": name, "accumulate": accumulate, "step_s_median": step_s,
+        "tokens_per_s": batch * accumulate * cfg["block_size"] / step_s,
+        "exposed_optimizer_s": statistics.median(timer.optimizer[warmup:]),
+        "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0,
+        "host_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+        "params": params, "steps": timer.steps, "model": model_name,
+        "memory": getattr(trainer.strategy, "memory_report", None),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=sorted(MODELS), default="gpt1b")
+    parser.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS))
+    parser.add_argument("--accumulate", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:  # child: one run, result as the last stdout line
+        result = run_one(args.one, args.model, args.accumulate[0], args.steps, args.warmup, args.batch)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    import torch
+
+    machine = f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'} x{torch.cuda.device_count()}, {platform.processor() or platform.machine()}, host {socket.gethostname()}"
+    runs = []
+    for accumulate in args.accumulate:
+        for name in args.runs:
+            cmd = [sys.executable, __file__, "--one", name, "--model", args.model, "--accumulate", str(accumulate),
+                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+            if proc.returncode or not lines:
+                print(f"{name} accumulate={accumulate} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+                runs.append({"name": name, "accumulate": accumulate, "error": proc.stderr[-2000:]})
+                continue
+            runs.append(json.loads(lines[-1][len("RESULT "):]))
+            r = runs[-1]
+            print(f"{name:>18} acc={accumulate} step={r['step_s_median']:.3f}s tok/s={r['tokens_per_s']:.0f}"
+                  f" exposed_opt={r['exposed_optimizer_s']:.3f}s peak_gpu={r['peak_gpu_gb']:.1f}GB"
+                  f" host={r['host_gb']:.1f}GB", flush=True)
+    print(f"\nmachine: {machine}\n{'run':>18} {'acc':>4} {'step s':>8} {'tokens/s':>10} {'exposed opt s':>14}"
+          f" {'peak GPU GB':>12} {'host GB':>8} {'vs gpu_only':>12}")
+    for r in runs:
+        if "error" in r:
+            print(f"{r['name']:>18} {r['accumulate']:>4}  failed")
+            continue
+        base = next((b for b in runs if b["name"] == "gpu_only" and b["accumulate"] == r["accumulate"]
+                     and "error" not in b), None)
+        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
+        print(f"{r['name']:>18} {r['accumulate']:>4} {r['step_s_median']:>8.3f} {r['tokens_per_s']:>10.0f}"
+              f" {r['exposed_optimizer_s']:>14.3f} {r['peak_gpu_gb']:>12.1f} {r['host_gb']:>8.1f} {ratio:>12}")
+    out = args.out or Path("bench/results") / f"{datetime.date.today()}_{socket.gethostname()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine, "runs": runs}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
