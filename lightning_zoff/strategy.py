@@ -76,6 +76,7 @@ class ZoffStrategy(ParallelStrategy):
         self.engine: OffloadEngine | None = None
         self._units: list[tuple[str, nn.Module]] = []
         self._masters: dict[int, torch.Tensor] = {}
+        self._in_optimizer_step = False
 
     # -- precision: whatever the `precision=` flag built becomes a ZoffPrecision ----------------------------
 
@@ -211,14 +212,19 @@ class ZoffStrategy(ParallelStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         assert self.engine is not None
-        self.engine.after_backward()
+        self.engine.after_backward(window_ends=self._in_optimizer_step)
         return closure_loss
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         # Lightning's precision plugin runs the closure (forward, backward, clipping hook) through
         # `optimizer.step(closure)`. The engine took every gradient in backward, so torch's own step sees none and
         # changes nothing; the update is the engine's.
-        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        # Lightning runs the window's last backward inside this call, the others outside it.
+        self._in_optimizer_step = True
+        try:
+            result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            self._in_optimizer_step = False
         assert self.engine is not None
         self.last_step = self.engine.step(optimizer, self.precision_plugin.take_clip_request())
         return result

@@ -1,11 +1,26 @@
 #!/usr/bin/env bash
-# One device-machine session: environment, the CPU suite on that torch, the reference check and the benchmark.
-# Usage (repo root, on the GPU machine): OUT=/some/dir bash scripts/gpu_checks.sh
+# Device-machine checks, by stage, so one 10-minute call can take several:
+#   OUT=dir bash scripts/gpu_checks.sh env suite reference kernels train bench
+# Carry .whl (../shared/tools/device_wheels.sh --with-deepspeed) for the stages that need Hydra or DeepSpeed.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-{ nvidia-smi -L; nproc; free -g | head -2; python3 -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__)"; ulimit -l; } 2>&1 | tee "$OUT/env.txt"
-timeout 100 python3 -m pytest -q -x tests/test_training.py 2>&1 | tail -15 | tee "$OUT/pytest.txt"
-timeout 150 python3 scripts/check_reference.py --steps 30 --out "$OUT/reference_check.json" 2>&1 | grep -v "^INFO\|Tip\|available:" | tee "$OUT/reference_check.txt"
-timeout 320 python3 scripts/bench.py --runs gpu_only zoff --accumulate 1 4 --steps 6 --warmup 2 --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 ZOFF_CACHE_DIR=/tmp/zoff_cache
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+for stage in "$@"; do
+  echo "=== $stage $(date +%T)"
+  case $stage in
+    env) { nvidia-smi -L; nproc; lscpu | grep -E "Model name|Flags" | cut -c1-300; free -g | head -2
+           python3 -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__)"; } 2>&1 | tee "$OUT/env.txt" ;;
+    suite) timeout 200 python3 -m pytest -q -x tests/test_kernels.py tests/test_optim.py tests/test_training.py 2>&1 | tail -6 | tee "$OUT/pytest.txt" ;;
+    reference) timeout 150 python3 scripts/check_reference.py --steps 30 --out "$OUT/reference_check.json" 2>&1 | grep -v "^INFO\|Tip\|available:" | tail -40 | tee "$OUT/reference_check.txt" ;;
+    kernels) timeout 240 python3 scripts/bench_kernels.py --params 500e6 --out "$OUT/kernels.json" 2>&1 | grep -v "^INFO" | tail -25 | tee "$OUT/kernels.txt" ;;
+    train) timeout 150 python3 scripts/train.py trainer.max_steps=60 hydra.run.dir=/tmp/train_run 2>&1 | grep -v "^INFO" | tail -25 | tee "$OUT/train.txt"; cp /tmp/train_run/loss.png "$OUT/" 2>/dev/null ;;
+    bench) timeout 330 python3 scripts/bench.py --runs gpu_only zoff --accumulate 1 4 --steps 6 --warmup 2 --out "$OUT/bench.json" 2>&1 | tail -12 | tee "$OUT/bench.txt" ;;
+  esac
+done

@@ -12,12 +12,12 @@ from lightning_zoff import ZoffStrategy
 from tiny import Probe, TinyModule, read_probe, token_loader
 
 
-def fit(tmp_path, strategy, *, devices=2, precision="32-true", batch_size=4, max_steps=12, optimizer="adamw", **kw):
+def fit(tmp_path, strategy, *, devices=2, precision="32-true", batch_size=4, max_steps=12, optimizer="adamw", accumulate=2, **kw):
     pl.seed_everything(7)
     module = TinyModule(optimizer)
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, precision=precision, max_steps=max_steps,
-        accumulate_grad_batches=2, gradient_clip_val=0.84, callbacks=[Probe(tmp_path)], logger=False,
+        accumulate_grad_batches=accumulate, gradient_clip_val=0.84, callbacks=[Probe(tmp_path)], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kw,
     )
     trainer.fit(module, train_dataloaders=token_loader(batch_size=batch_size))
@@ -97,3 +97,31 @@ def test_registered_names():
     assert isinstance(trainer.strategy, ZoffStrategy) and not trainer.strategy.offload
     assert lightning_zoff.ZoffStrategy is ZoffStrategy
 
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_accumulation_windows_match_ddp(tmp_path, accumulate):
+    # 1: the kernel reads the 16-bit staging buffer directly; 3: the fp32 host sum of three micro-batches
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    fit(ref, DDPStrategy(start_method="fork"), accumulate=accumulate, max_steps=8)
+    fit(tmp_path, ZoffStrategy(start_method="fork"), accumulate=accumulate, max_steps=8)
+    zoff, ddp = read_probe(tmp_path), read_probe(ref)
+    assert len(zoff["losses"]) == 8 * accumulate
+    assert rel_err(zoff["losses"], ddp["losses"]) < 1e-5
+
+
+def test_lion_matches_ddp_with_the_same_optimizer(tmp_path):
+    # the reference runs lightning_zoff.optim.Lion as a plain optimizer on DDP's fp32 gradients
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    fit(ref, DDPStrategy(start_method="fork"), optimizer="lion", max_steps=8)
+    fit(tmp_path, ZoffStrategy(start_method="fork"), optimizer="lion", max_steps=8)
+    zoff, ddp = read_probe(tmp_path), read_probe(ref)
+    assert rel_err(zoff["losses"], ddp["losses"]) < 1e-5
+    assert zoff["losses"][-1] < zoff["losses"][0]
+
+
+def test_no_offload_matches_ddp(tmp_path, ddp_losses):
+    fit(tmp_path, ZoffStrategy(start_method="fork", offload=False))
+    assert rel_err(read_probe(tmp_path)["losses"], ddp_losses["losses"]) < 1e-5

@@ -11,6 +11,8 @@ from lightning.pytorch import Callback, LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import lightning_zoff.optim
+
 VOCAB, DIM, SEQ = 64, 32, 16
 # large enough that Adam's update depends on the gradient's scale, so a wrong 1/world or clip factor shows
 EPS = 1e-3
@@ -74,6 +76,8 @@ class TinyModule(LightningModule):
             opt = torch.optim.AdamW(groups, lr=self.lr, betas=(0.9, 0.95), eps=EPS)
         elif self.optimizer_name == "adam":
             opt = torch.optim.Adam(groups, lr=self.lr, eps=EPS)
+        elif self.optimizer_name == "lion":
+            opt = lightning_zoff.optim.Lion(groups, lr=self.lr / 3, betas=(0.9, 0.99))
         elif self.optimizer_name == "sgd":
             opt = torch.optim.SGD(groups, lr=self.lr)
         else:
@@ -120,7 +124,7 @@ class Probe(Callback):
         if engine is not None:
             info["memory"] = engine.memory_report()
             info["state_devices"] = sorted({str(t.device) for u in engine.units for t in u.host_tensors})
-            info["state_dtypes"] = sorted({str(t.dtype) for u in engine.units for t in (u.master, u.exp_avg, u.exp_avg_sq)})
+            info["state_dtypes"] = sorted({str(t.dtype) for u in engine.units for t in (u.master, u.exp_avg, u.exp_avg_sq) if t is not None})
             info["torch_state_empty"] = all(len(s) == 0 for s in trainer.optimizers[0].state.values())
         (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(info))
 

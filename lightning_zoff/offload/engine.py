@@ -4,13 +4,15 @@
    factor 1: the 1/world is folded into the step's scale) and calls `_on_unit_reduced` on the copy stream. We copy
    the shard, still in the parameter dtype (2 B/param in 16-bit modes), into the unit's pinned `grad_staging`
    without blocking, and record an event.
-2. End of each backward (`after_backward`). Wait for those copies, add each shard into the unit's fp32 host
-   `grad_sum` (a plain copy on the first micro-batch of the window), and drop FSDP2's `.grad` views so no
-   gradient stays on the accelerator between micro-batches.
+2. End of each backward (`after_backward`). Wait for those copies and drop FSDP2's `.grad` views, so no
+   gradient stays on the accelerator between micro-batches. When more micro-batches follow, add the shard into
+   the unit's fp32 host `grad_sum`; a window of one micro-batch leaves it in `grad_staging`, which the kernel
+   reads directly (promoting 16 to 32 bits is exact, so both give the same bits).
 3. Step (`step`). The global norm of the averaged gradient (per-rank sum of squares, all-reduced) decides:
-   skip when it is not finite, else scale once by 1/world x the clip factor. Adam/AdamW updates the fp32
-   master and moments on the host, the master is cast to the parameter dtype into the pinned `param_staging`,
-   and that goes host-to-device into FSDP2's sharded parameters, where the next all-gather reads it.
+   skip when it is not finite, else one combined scale 1/world x clip factor goes into the kernel. One fused
+   pass per run of parameters reads the gradient, updates the fp32 master and moments and writes the 16-bit
+   copy into the pinned `param_staging`, which goes host-to-device into FSDP2's sharded parameters, where the
+   next all-gather reads it.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_zoff import ops
 from lightning_zoff.offload.buffers import host_empty
-from lightning_zoff.offload.layout import UnitLayout, unit_layout
-from lightning_zoff.optim.rules import GroupHyperparams, update_rule_for
-from lightning_zoff.optim.update import adam_update
+from lightning_zoff.offload.layout import ParamSlot, UnitLayout, unit_layout
+from lightning_zoff.optim.rules import GroupHyperparams, UpdateRule, update_rule_for
+from lightning_zoff.optim.update import update
 
 
 @dataclass
@@ -42,9 +45,10 @@ class Segment:
 class HostUnit:
     layout: UnitLayout
     segments: list[Segment]
+    updated_slots: list[ParamSlot]  # the slots in some segment: only they change and go back to the accelerator
     master: torch.Tensor  # fp32
     exp_avg: torch.Tensor  # fp32
-    exp_avg_sq: torch.Tensor  # fp32
+    exp_avg_sq: torch.Tensor | None  # fp32; Lion has no second moment
     grad_sum: torch.Tensor  # fp32 sum of this window's micro-batch gradients (a sum over ranks too)
     grad_staging: torch.Tensor  # param dtype, pinned: lands the reduced shard
     param_staging: torch.Tensor  # param dtype, pinned: leaves for the accelerator
@@ -52,6 +56,7 @@ class HostUnit:
     params_copied: torch.cuda.Event | None = None
     grad_arrived: bool = False  # in this backward
     has_grad: bool = False  # in this accumulation window
+    grad_in_staging: bool = False  # the window's whole gradient is still in grad_staging
     host_tensors: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -82,8 +87,10 @@ class OffloadEngine:
         world_size: int,
         state_device: torch.device,
         pin_memory: bool,
+        threads: int | None = None,
     ) -> None:
         self.rule = update_rule_for(optimizer)
+        self.threads = threads  # CPU threads of the kernels; None: torch.get_num_threads()
         self.world_size = world_size
         self.state_device = state_device
         group_of = {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
@@ -111,26 +118,32 @@ class OffloadEngine:
     ) -> HostUnit:
         n, dev = layout.flat_numel, self.state_device
         param_dtype = layout.slots[0].local.dtype
-        fp32 = [torch.zeros(n, dtype=torch.float32, device=dev) for _ in range(4)]
-        master, exp_avg, exp_avg_sq, grad_sum = fp32
+        master, exp_avg, grad_sum = (torch.zeros(n, dtype=torch.float32, device=dev) for _ in range(3))
+        exp_avg_sq = None if self.rule is UpdateRule.LION else torch.zeros(n, dtype=torch.float32, device=dev)
         for slot in layout.slots:
             master[slot.offset : slot.offset + slot.numel].copy_(masters[id(slot.param)].reshape(-1))
         segments: list[Segment] = []
+        updated_slots = []
         for slot in layout.slots:
             group = group_of.get(id(slot.param))
             if group is None:
                 continue  # not in the optimizer: never updated, as with torch
+            updated_slots.append(slot)
             end = slot.offset + slot.padded_numel
             if segments and segments[-1].group_index == group and segments[-1].end == slot.offset:
                 segments[-1].end = end
             else:
                 segments.append(Segment(group, slot.offset, end))
         grad_staging = host_empty(n, param_dtype, dev, pin)
-        param_staging = host_empty(n, param_dtype, dev, pin)
-        return HostUnit(
-            layout, segments, master, exp_avg, exp_avg_sq, grad_sum, grad_staging, param_staging,
-            host_tensors=[master, exp_avg, exp_avg_sq, grad_sum, grad_staging, param_staging],
-        )
+        if param_dtype == torch.float32:
+            param_staging = master  # fp32 shards (32-true) go back straight from the master
+        else:
+            param_staging = host_empty(n, param_dtype, dev, pin)
+            param_staging.copy_(master)
+        tensors = [master, exp_avg, grad_sum, grad_staging]
+        tensors += [t for t in (exp_avg_sq, param_staging) if t is not None and t is not master]
+        return HostUnit(layout, segments, updated_slots, master, exp_avg, exp_avg_sq, grad_sum, grad_staging, param_staging,
+                        host_tensors=tensors)
 
     # -- backward -------------------------------------------------------------------------------------------
 
@@ -153,26 +166,40 @@ class OffloadEngine:
         unit.grad_arrived = True
 
     @torch.no_grad()
-    def after_backward(self) -> None:
+    def after_backward(self, window_ends: bool) -> None:
+        """`window_ends`: this backward is the last of the accumulation window (Lightning steps next)."""
         for unit in self.units:
             if unit.grad_arrived:
                 if unit.grad_copied is not None:
                     unit.grad_copied.synchronize()
                 if unit.has_grad:
+                    if unit.grad_in_staging:  # cannot happen with Lightning's loop; kept exact regardless
+                        raise RuntimeError("zoff: a micro-batch arrived after the window's last backward")
                     unit.grad_sum.add_(unit.grad_staging)
+                elif window_ends:
+                    unit.grad_in_staging = True
                 else:
                     unit.grad_sum.copy_(unit.grad_staging)
                 unit.has_grad, unit.grad_arrived = True, False
             for slot in unit.layout.slots:
                 slot.param.grad = None
 
+    @staticmethod
+    def _window_grad(unit: HostUnit) -> torch.Tensor:
+        return unit.grad_staging if unit.grad_in_staging else unit.grad_sum
+
     # -- step -----------------------------------------------------------------------------------------------
 
     def _global_grad_norm(self) -> float:
         sq = torch.zeros((), dtype=torch.float64)
         for unit in self.units:
-            if unit.has_grad:
-                sq += torch.linalg.vector_norm(unit.grad_sum, dtype=torch.float32).double().cpu() ** 2
+            if not unit.has_grad:
+                continue
+            grad = self._window_grad(unit)
+            if grad.device.type == "cpu":
+                sq += ops.grad_sumsq_finite(grad, threads=self.threads)[0]
+            else:
+                sq += torch.linalg.vector_norm(grad, dtype=torch.float32).double().cpu() ** 2
         if dist.is_initialized() and self.world_size > 1:
             dist.all_reduce(sq)  # a CPU tensor: gloo, also under "cpu:gloo,cuda:nccl"
         return math.sqrt(sq.item()) / self.world_size
@@ -194,14 +221,15 @@ class OffloadEngine:
                 continue  # no gradient in this window: like torch, leave parameter and state alone
             if unit.params_copied is not None:
                 unit.params_copied.synchronize()  # param_staging still feeds last step's copy
+            grad = self._window_grad(unit)
             for seg in unit.segments:
                 seg.step += 1
                 s, e = seg.start, seg.end
-                grad = unit.grad_sum[s:e].mul_(scale)
-                adam_update(self.rule, hyper[seg.group_index], seg.step,
-                            unit.master[s:e], grad, unit.exp_avg[s:e], unit.exp_avg_sq[s:e])
-            unit.param_staging.copy_(unit.master)
-            for slot in unit.layout.slots:
+                update(self.rule, hyper[seg.group_index], seg.step, unit.master[s:e], grad[s:e], unit.exp_avg[s:e],
+                       None if unit.exp_avg_sq is None else unit.exp_avg_sq[s:e],
+                       grad_scale=scale, out=None if unit.param_staging is unit.master else unit.param_staging[s:e],
+                       threads=self.threads)
+            for slot in unit.updated_slots:
                 local = slot.local
                 local.copy_(unit.param_staging[slot.offset : slot.offset + slot.numel].view_as(local), non_blocking=True)
             unit.params_copied = _record_event(self.param_device)
@@ -210,7 +238,7 @@ class OffloadEngine:
 
     def _close_window(self) -> None:
         for unit in self.units:
-            unit.has_grad = False
+            unit.has_grad = unit.grad_in_staging = False
 
     # -- accounting -----------------------------------------------------------------------------------------
 
@@ -220,9 +248,10 @@ class OffloadEngine:
         accel_params = sum(s.numel * s.local.element_size() for u in self.units for s in u.layout.slots)
         host = {
             "host_master": sum(u.master.nbytes for u in self.units),
-            "host_optimizer_state": sum(u.exp_avg.nbytes + u.exp_avg_sq.nbytes for u in self.units),
+            "host_optimizer_state": sum(t.nbytes for u in self.units for t in (u.exp_avg, u.exp_avg_sq) if t is not None),
             "host_grad_sum": sum(u.grad_sum.nbytes for u in self.units),
-            "host_staging": sum(u.grad_staging.nbytes + u.param_staging.nbytes for u in self.units),
+            "host_staging": sum(u.grad_staging.nbytes + (0 if u.param_staging is u.master else u.param_staging.nbytes)
+                                for u in self.units),
         }
         host_total = sum(host.values())
         return {

@@ -11,12 +11,16 @@ from enum import Enum
 
 import torch
 
-SUPPORTED_OPTIMIZERS = ("torch.optim.AdamW", "torch.optim.Adam")
+SUPPORTED_OPTIMIZERS = (
+    "torch.optim.AdamW", "torch.optim.Adam", "lightning_zoff.optim.AdamW", "lightning_zoff.optim.Adam",
+    "lightning_zoff.optim.Lion",
+)
 
 
 class UpdateRule(Enum):
     ADAM = "adam"  # weight decay as L2 added to the gradient
     ADAMW = "adamw"  # decoupled weight decay
+    LION = "lion"  # sign of the interpolated momentum, decoupled weight decay
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,7 @@ class GroupHyperparams:
             lr=float(group["lr"]),
             beta1=beta1,
             beta2=beta2,
-            eps=float(group["eps"]),
+            eps=float(group.get("eps", 0.0)),  # Lion has none
             weight_decay=float(group["weight_decay"]),
             maximize=bool(group.get("maximize", False)),
         )
@@ -43,6 +47,9 @@ class GroupHyperparams:
 
 def update_rule_for(optimizer: torch.optim.Optimizer) -> UpdateRule:
     """The update rule for `optimizer`, or a TypeError that says what zoff supports."""
+    rule = getattr(optimizer, "rule", None)  # lightning_zoff.optim classes say which rule they are
+    if isinstance(rule, UpdateRule):
+        return rule
     if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
         name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
         raise TypeError(

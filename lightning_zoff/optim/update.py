@@ -1,29 +1,58 @@
-"""The update of one contiguous run of parameters that share a param group.
-
-Until the fused kernels of csrc/ land, this uses torch's own fused Adam/AdamW ops, which run on CPU and CUDA.
-"""
+"""One optimizer update of a contiguous fp32 run of parameters: the fused CPU kernel, or torch ops on an
+accelerator (strategy "zoff_no_offload"). Both read the gradient in its own dtype times `grad_scale` and can write
+a 16-bit copy of the updated parameter into `out`."""
 
 from __future__ import annotations
 
 import torch
 
+from lightning_zoff import ops
 from lightning_zoff.optim.rules import GroupHyperparams, UpdateRule
 
 
-def adam_update(
+def update(
     rule: UpdateRule,
     hp: GroupHyperparams,
     step: int,
     param: torch.Tensor,
     grad: torch.Tensor,
     exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
+    exp_avg_sq: torch.Tensor | None,
+    *,
+    grad_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+    threads: int | None = None,
 ) -> None:
-    """One Adam/AdamW step in place on fp32 `param`, `exp_avg`, `exp_avg_sq`; `step` counts this step (1-based)."""
-    fused = torch._fused_adamw_ if rule is UpdateRule.ADAMW else torch._fused_adam_
-    step_tensor = torch.tensor(float(step), dtype=torch.float32, device=param.device)
-    fused(
-        [param], [grad], [exp_avg], [exp_avg_sq], [], [step_tensor],
-        lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, weight_decay=hp.weight_decay, eps=hp.eps,
-        amsgrad=False, maximize=hp.maximize, grad_scale=None, found_inf=None,
-    )
+    """`step` counts this step (1-based). `exp_avg_sq` is None for Lion."""
+    if param.device.type == "cpu":
+        _cpu_update(rule, hp, step, param, grad, exp_avg, exp_avg_sq, grad_scale, out, threads)
+    else:
+        _torch_update(rule, hp, step, param, grad, exp_avg, exp_avg_sq, grad_scale, out)
+
+
+def _cpu_update(rule, hp, step, param, grad, exp_avg, exp_avg_sq, grad_scale, out, threads) -> None:
+    if rule is UpdateRule.LION:
+        ops.lion_step(param, grad, exp_avg, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, weight_decay=hp.weight_decay,
+                      grad_scale=grad_scale, maximize=hp.maximize, out=out, threads=threads)
+    else:
+        ops.adam_step(param, grad, exp_avg, exp_avg_sq, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
+                      weight_decay=hp.weight_decay, step=step, decoupled=rule is UpdateRule.ADAMW,
+                      maximize=hp.maximize, grad_scale=grad_scale, out=out, threads=threads)
+
+
+def _torch_update(rule, hp, step, param, grad, exp_avg, exp_avg_sq, grad_scale, out) -> None:
+    g = grad.float() * grad_scale
+    if hp.maximize:
+        g.neg_()
+    if rule is UpdateRule.LION:
+        direction = exp_avg.mul(hp.beta1).add_(g, alpha=1 - hp.beta1).sign_()
+        param.mul_(1 - hp.lr * hp.weight_decay).add_(direction, alpha=-hp.lr)
+        exp_avg.mul_(hp.beta2).add_(g, alpha=1 - hp.beta2)
+    else:
+        fused = torch._fused_adamw_ if rule is UpdateRule.ADAMW else torch._fused_adam_
+        step_tensor = torch.tensor(float(step), dtype=torch.float32, device=param.device)
+        fused([param], [g], [exp_avg], [exp_avg_sq], [], [step_tensor], lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2,
+              weight_decay=hp.weight_decay, eps=hp.eps, amsgrad=False, maximize=False, grad_scale=None,
+              found_inf=None)
+    if out is not None:
+        out.copy_(param)

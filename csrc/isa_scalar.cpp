@@ -1,0 +1,12 @@
+// The portable build of the kernels: plain C++ at the compiler's baseline ISA.
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "kernels.h"
+
+namespace zoff::scalar {
+#include "simd_scalar.h"
+using Simd = Scalar;
+#include "kernel_bodies.h"
+}  // namespace zoff::scalar

@@ -1,0 +1,195 @@
+// The kernels, written once against a lane type (Simd: the ISA's widest, Scalar: one lane; see simd_*.h) and
+// included inside each ISA's namespace by isa_*.cpp, so every ISA gets its own compiled copy of the same code.
+// Each kernel sweeps [begin, end) once: whole Simd vectors, then the tail with Scalar, whose formula is the same.
+
+template <class V>
+struct AdamVec {  // AdamConsts broadcast to V's lanes
+  using F = typename V::F;
+  F grad_scale, weight_decay, decay, lerp_w, lerp_w_comp, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size;
+  explicit AdamVec(const AdamConsts& k)
+      : grad_scale(V::set1(k.grad_scale)), weight_decay(V::set1(k.weight_decay)), decay(V::set1(k.decay)),
+        lerp_w(V::set1(k.lerp_w)), lerp_w_comp(V::set1(k.lerp_w_comp)), beta2(V::set1(k.beta2)),
+        one_minus_beta2(V::set1(k.one_minus_beta2)), bc2_sqrt(V::set1(k.bc2_sqrt)), eps(V::set1(k.eps)),
+        neg_step_size(V::set1(k.neg_step_size)) {}
+};
+
+// Out is void when there is no 16-bit copy to write.
+template <class V, class G, class Out>
+inline void adam_at(const AdamTask& t, const AdamVec<V>& c, int64_t i) {
+  using F = typename V::F;
+  const AdamConsts& k = t.k;
+  F g = V::load(static_cast<const G*>(t.grad) + i) * c.grad_scale;
+  F p = V::load(t.param + i);
+  if (k.l2) g = g + c.weight_decay * p;
+  if (k.decoupled_decay) p = p * c.decay;
+  F m = V::load(t.exp_avg + i);
+  const F d = g - m;
+  m = k.lerp_from_m ? m + c.lerp_w * d : g - c.lerp_w_comp * d;
+  F v = V::load(t.exp_avg_sq + i);
+  v = c.beta2 * v + c.one_minus_beta2 * g * g;
+  const F denom = V::sqrt(v) / c.bc2_sqrt + c.eps;
+  p = p + c.neg_step_size * m / denom;
+  V::store(t.exp_avg + i, m);
+  V::store(t.exp_avg_sq + i, v);
+  V::store(t.param + i, p);
+  if constexpr (!std::is_void_v<Out>) V::store(static_cast<Out*>(t.out) + i, p);
+}
+
+template <class G, class Out>
+void adam_typed(const AdamTask& t, int64_t begin, int64_t end) {
+  const AdamVec<Simd> vec(t.k);
+  const AdamVec<Scalar> one(t.k);
+  int64_t i = begin;
+  for (; i + Simd::kWidth <= end; i += Simd::kWidth) adam_at<Simd, G, Out>(t, vec, i);
+  for (; i < end; ++i) adam_at<Scalar, G, Out>(t, one, i);
+}
+
+template <class V>
+struct LionVec {
+  using F = typename V::F;
+  F grad_scale, beta1, one_minus_beta1, beta2, one_minus_beta2, decay, lr;
+  explicit LionVec(const LionConsts& k)
+      : grad_scale(V::set1(k.grad_scale)), beta1(V::set1(k.beta1)), one_minus_beta1(V::set1(k.one_minus_beta1)),
+        beta2(V::set1(k.beta2)), one_minus_beta2(V::set1(k.one_minus_beta2)), decay(V::set1(k.decay)),
+        lr(V::set1(k.lr)) {}
+};
+
+template <class V, class G, class Out>
+inline void lion_at(const LionTask& t, const LionVec<V>& c, int64_t i) {
+  using F = typename V::F;
+  const F g = V::load(static_cast<const G*>(t.grad) + i) * c.grad_scale;
+  F m = V::load(t.exp_avg + i);
+  const F direction = c.beta1 * m + c.one_minus_beta1 * g;
+  F p = V::load(t.param + i);
+  if (t.k.decoupled_decay) p = p * c.decay;
+  p = p - c.lr * V::sign(direction);
+  m = c.beta2 * m + c.one_minus_beta2 * g;
+  V::store(t.exp_avg + i, m);
+  V::store(t.param + i, p);
+  if constexpr (!std::is_void_v<Out>) V::store(static_cast<Out*>(t.out) + i, p);
+}
+
+template <class G, class Out>
+void lion_typed(const LionTask& t, int64_t begin, int64_t end) {
+  const LionVec<Simd> vec(t.k);
+  const LionVec<Scalar> one(t.k);
+  int64_t i = begin;
+  for (; i + Simd::kWidth <= end; i += Simd::kWidth) lion_at<Simd, G, Out>(t, vec, i);
+  for (; i < end; ++i) lion_at<Scalar, G, Out>(t, one, i);
+}
+
+template <class G>
+double sumsq_typed(const SumsqTask& t, int64_t begin, int64_t end) {
+  const G* grad = static_cast<const G*>(t.grad);
+  const Simd::F scale = Simd::set1(t.grad_scale);
+  Simd::Acc acc = Simd::acc_zero();
+  int64_t i = begin;
+  for (; i + Simd::kWidth <= end; i += Simd::kWidth) Simd::add_squares(acc, Simd::load(grad + i) * scale);
+  Scalar::Acc tail = Scalar::acc_zero();
+  for (; i < end; ++i) Scalar::add_squares(tail, Scalar::load(grad + i) * t.grad_scale);
+  return Simd::reduce(acc) + Scalar::reduce(tail);
+}
+
+// Four independent sums, so the read is bound by memory, not by the latency of one chain of adds.
+double stream_read(const float* a, int64_t begin, int64_t end) {
+  Simd::F s0 = Simd::set1(0.0f), s1 = s0, s2 = s0, s3 = s0;
+  int64_t i = begin;
+  for (; i + 4 * Simd::kWidth <= end; i += 4 * Simd::kWidth) {
+    s0 = s0 + Simd::load(a + i);
+    s1 = s1 + Simd::load(a + i + Simd::kWidth);
+    s2 = s2 + Simd::load(a + i + 2 * Simd::kWidth);
+    s3 = s3 + Simd::load(a + i + 3 * Simd::kWidth);
+  }
+  double sum = Simd::lane_sum((s0 + s1) + (s2 + s3));
+  for (; i < end; ++i) sum += a[i];
+  return sum;
+}
+
+// V is always Simd: a template parameter so that V::stream is looked up only where the ISA has it.
+// Non-temporal stores need aligned whole vectors: the probe's chunks are multiples of 64 floats, 4 KiB aligned.
+template <class V, bool kNonTemporal>
+inline void put(float* p, typename V::F x) {
+  if constexpr (kNonTemporal) V::stream(p, x);
+  else V::store(p, x);
+}
+
+template <class V, bool kNonTemporal>
+void stream_copy(float* a, const float* b, int64_t begin, int64_t end) {
+  int64_t i = begin;
+  for (; i + V::kWidth <= end; i += V::kWidth) put<V, kNonTemporal>(a + i, V::load(b + i));
+  for (; i < end; ++i) a[i] = b[i];
+  if constexpr (kNonTemporal) V::stream_fence();
+}
+
+template <class V, bool kNonTemporal>
+void stream_triad(float* a, const float* b, const float* c, float s, int64_t begin, int64_t end) {
+  const typename V::F sv = V::set1(s);
+  int64_t i = begin;
+  for (; i + V::kWidth <= end; i += V::kWidth) put<V, kNonTemporal>(a + i, V::load(b + i) + sv * V::load(c + i));
+  for (; i < end; ++i) a[i] = b[i] + s * c[i];
+  if constexpr (kNonTemporal) V::stream_fence();
+}
+
+template <class V>
+constexpr auto stream_copy_nt() {
+  if constexpr (V::kHasStream) return &stream_copy<V, true>;
+  else return decltype(&stream_copy<V, false>){nullptr};
+}
+
+template <class V>
+constexpr auto stream_triad_nt() {
+  if constexpr (V::kHasStream) return &stream_triad<V, true>;
+  else return decltype(&stream_triad<V, false>){nullptr};
+}
+
+template <class T>
+struct Tag {
+  using type = T;
+};
+
+// Calls fn(Tag<grad type>, Tag<out type or void>): the element types are chosen once per call, not per element.
+template <class Task, class Fn>
+void with_types(const Task& t, const Fn& fn) {
+  const auto with_grad = [&](auto grad) {
+    if (!t.out) return fn(grad, Tag<void>{});
+    if (t.out_dtype == DType::kBF16) return fn(grad, Tag<Bf16>{});
+    return fn(grad, Tag<Half>{});
+  };
+  switch (t.grad_dtype) {
+    case DType::kF32: return with_grad(Tag<float>{});
+    case DType::kBF16: return with_grad(Tag<Bf16>{});
+    case DType::kF16: return with_grad(Tag<Half>{});
+  }
+}
+
+void adam(const AdamTask& t, int64_t begin, int64_t end) {
+  with_types(t, [&](auto g, auto o) {
+    adam_typed<typename decltype(g)::type, typename decltype(o)::type>(t, begin, end);
+  });
+}
+
+void lion(const LionTask& t, int64_t begin, int64_t end) {
+  with_types(t, [&](auto g, auto o) {
+    lion_typed<typename decltype(g)::type, typename decltype(o)::type>(t, begin, end);
+  });
+}
+
+double sumsq(const SumsqTask& t, int64_t begin, int64_t end) {
+  switch (t.grad_dtype) {
+    case DType::kF32: return sumsq_typed<float>(t, begin, end);
+    case DType::kBF16: return sumsq_typed<Bf16>(t, begin, end);
+    case DType::kF16: return sumsq_typed<Half>(t, begin, end);
+  }
+  return 0.0;
+}
+
+extern const IsaKernels kKernels = {
+    adam,
+    lion,
+    sumsq,
+    stream_read,
+    stream_copy<Simd, false>,
+    stream_triad<Simd, false>,
+    stream_copy_nt<Simd>(),
+    stream_triad_nt<Simd>(),
+};

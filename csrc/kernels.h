@@ -1,0 +1,106 @@
+// The interface between the ISA-neutral code (bindings, threading, stream probe) and the per-ISA builds of the
+// kernels (isa_*.cpp). Plain structs and function pointers only: the ISA builds never see torch.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__x86_64__) || defined(__i386__)
+#define ZOFF_X86 1
+#else
+#define ZOFF_X86 0
+#endif
+
+namespace zoff {
+
+// 16-bit storage as distinct types, so the kernels overload their loads and stores on the element type.
+struct Bf16 {
+  uint16_t bits;
+};
+struct Half {
+  uint16_t bits;
+};
+
+enum class DType : uint8_t { kF32, kBF16, kF16 };
+
+// Adam/AdamW per-call constants: computed once in double, then rounded to float where torch's single-tensor
+// Adam rounds its Python scalars, so every ISA (and torch) multiplies by the same numbers.
+struct AdamConsts {
+  float grad_scale;       // negated when maximizing: g * -s == -(g * s) exactly
+  bool l2;                // Adam: g += weight_decay * p
+  float weight_decay;
+  bool decoupled_decay;   // AdamW: p *= 1 - lr * weight_decay
+  float decay;
+  bool lerp_from_m;       // torch's lerp: m + w * (g - m) for w < 0.5, else g - (1 - w) * (g - m)
+  float lerp_w;           // w = 1 - beta1
+  float lerp_w_comp;      // 1 - w, in float as torch computes it
+  float beta2;
+  float one_minus_beta2;
+  float bc2_sqrt;         // sqrt(1 - beta2^step)
+  float eps;
+  float neg_step_size;    // -lr / (1 - beta1^step)
+};
+
+struct AdamTask {
+  float* param;
+  float* exp_avg;
+  float* exp_avg_sq;
+  const void* grad;
+  DType grad_dtype;
+  void* out;  // nullptr: no 16-bit copy of the updated param
+  DType out_dtype;
+  AdamConsts k;
+};
+
+struct LionConsts {
+  float grad_scale;  // negated when maximizing
+  float beta1;
+  float one_minus_beta1;
+  float beta2;
+  float one_minus_beta2;
+  bool decoupled_decay;
+  float decay;  // 1 - lr * weight_decay
+  float lr;
+};
+
+struct LionTask {
+  float* param;
+  float* exp_avg;
+  const void* grad;
+  DType grad_dtype;
+  void* out;
+  DType out_dtype;
+  LionConsts k;
+};
+
+struct SumsqTask {
+  const void* grad;
+  DType grad_dtype;
+  float grad_scale;
+};
+
+// One ISA's build of every kernel; each runs over elements [begin, end) of its arrays.
+struct IsaKernels {
+  void (*adam)(const AdamTask& task, int64_t begin, int64_t end);
+  void (*lion)(const LionTask& task, int64_t begin, int64_t end);
+  double (*sumsq)(const SumsqTask& task, int64_t begin, int64_t end);  // of grad * grad_scale, in double
+  double (*stream_read)(const float* a, int64_t begin, int64_t end);
+  void (*stream_copy)(float* a, const float* b, int64_t begin, int64_t end);
+  void (*stream_triad)(float* a, const float* b, const float* c, float s, int64_t begin, int64_t end);
+  // Non-temporal stores; nullptr where the ISA has none.
+  void (*stream_copy_nt)(float* a, const float* b, int64_t begin, int64_t end);
+  void (*stream_triad_nt)(float* a, const float* b, const float* c, float s, int64_t begin, int64_t end);
+};
+
+namespace scalar {
+extern const IsaKernels kKernels;
+}
+#if ZOFF_X86
+namespace avx2 {
+extern const IsaKernels kKernels;
+}
+namespace avx512 {
+extern const IsaKernels kKernels;
+}
+#endif
+
+}  // namespace zoff
