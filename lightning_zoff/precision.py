@@ -16,7 +16,9 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.fabric.utilities.apply_func import apply_to_collection
 
-SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
+from lightning_zoff.loss_scale import DynamicLossScaler
+
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
 _ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed"}
 
 
@@ -24,39 +26,56 @@ class ZoffPrecision(Precision):
     """Precision plugin of `ZoffStrategy`.
 
     Args:
-        precision: ``"32-true"`` (fp32 shards and gradients), ``"bf16-mixed"`` (bf16 shards, autocast to bf16) or
-            ``"bf16-true"`` (bf16 shards, bf16 inputs, no autocast).
+        precision: ``"32-true"`` (fp32 shards and gradients), ``"bf16-mixed"`` / ``"16-mixed"`` (16-bit shards,
+            autocast to that dtype) or ``"bf16-true"`` / ``"16-true"`` (16-bit shards and inputs, no autocast).
+        loss_scale: fp16 only, options of the dynamic loss scale (`DynamicLossScaler`: ``scale`` (initial,
+            2**16), ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``hysteresis``, ``min_scale``).
     """
 
-    def __init__(self, precision: str | int = "bf16-mixed") -> None:
+    def __init__(self, precision: str | int = "bf16-mixed", **loss_scale: float) -> None:
         precision = _ALIASES.get(precision, precision)
-        if precision in ("16-mixed", "16-true"):
-            raise ValueError(
-                f"precision={precision!r} (fp16 with loss scaling) is not supported by zoff yet."
-                f" Use one of {SUPPORTED_PRECISION}; bf16-mixed needs no loss scaling."
-            )
         if precision not in SUPPORTED_PRECISION:
             raise ValueError(
                 f"zoff does not support precision={precision!r}. Choose one of {SUPPORTED_PRECISION}"
                 " (the optimizer always keeps an fp32 master copy on the host)."
             )
+        if loss_scale and not precision.startswith("16"):
+            raise ValueError(f"loss-scale options {sorted(loss_scale)} apply to fp16 only, not {precision!r}.")
         self.precision = precision
         self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
         self.clip_norm_request: float | None = None
+        self.scaler = DynamicLossScaler(**loss_scale) if precision.startswith("16") else None
 
     @property
     def param_dtype(self) -> torch.dtype:
-        return torch.float32 if self.precision == "32-true" else torch.bfloat16
+        return {"32": torch.float32, "bf16": torch.bfloat16, "16": torch.float16}[self.precision.split("-")[0]]
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
 
     def forward_context(self) -> AbstractContextManager:
-        if self.precision == "bf16-mixed":
-            return torch.autocast(self.device_type, dtype=torch.bfloat16)
+        if self.precision.endswith("-mixed"):
+            return torch.autocast(self.device_type, dtype=self.param_dtype)
         return nullcontext()
 
     def convert_input(self, data: Any) -> Any:
-        if self.precision != "bf16-true":
+        if not self.precision.endswith("-true") or self.param_dtype == torch.float32:
             return data
-        return apply_to_collection(data, torch.Tensor, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
+        dtype = self.param_dtype
+        return apply_to_collection(data, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
+        tensor = super().pre_backward(tensor, module)
+        # the engine divides by the same scale inside the kernel's combined scale
+        return tensor * self.scaler.scale if self.scaler is not None else tensor
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"loss_scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and "loss_scaler" in state_dict:
+            self.scaler.load_state_dict(state_dict["loss_scaler"])
 
     def clip_gradients(
         self,

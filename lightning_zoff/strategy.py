@@ -24,8 +24,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_zoff.checkpoint import full_state_dict
 from lightning_zoff.launchers import ZoffMultiProcessingLauncher
-from lightning_zoff.offload import OffloadEngine, describe_memory
+from lightning_zoff.offload import OffloadEngine, StepOutcome, describe_memory
 from lightning_zoff.precision import ZoffPrecision
+from lightning_zoff.schedulers import SkipAwareScheduler
 from lightning_zoff.sharding import is_sharded, plan_units, shard_model
 
 log = logging.getLogger("lightning_zoff")
@@ -77,6 +78,7 @@ class ZoffStrategy(ParallelStrategy):
         self._units: list[tuple[str, nn.Module]] = []
         self._masters: dict[int, torch.Tensor] = {}
         self._in_optimizer_step = False
+        self.last_step: StepOutcome | None = None
 
     # -- precision: whatever the `precision=` flag built becomes a ZoffPrecision ----------------------------
 
@@ -201,6 +203,12 @@ class ZoffStrategy(ParallelStrategy):
             self.engine.attach()
             self._masters = {}
             self._log_memory()
+        for config in self.lr_scheduler_configs:
+            if config.interval == "step" and not isinstance(config.scheduler, SkipAwareScheduler):
+                config.scheduler = SkipAwareScheduler(config.scheduler, self._last_step_skipped)
+
+    def _last_step_skipped(self) -> bool:
+        return self.last_step is not None and self.last_step.skipped
 
     def _log_memory(self) -> None:
         assert self.engine is not None
@@ -225,8 +233,16 @@ class ZoffStrategy(ParallelStrategy):
             result = super().optimizer_step(optimizer, closure, model, **kwargs)
         finally:
             self._in_optimizer_step = False
+        self.last_step: StepOutcome | None = None
         assert self.engine is not None
-        self.last_step = self.engine.step(optimizer, self.precision_plugin.take_clip_request())
+        precision = self.precision_plugin
+        self.last_step = self.engine.step(optimizer, precision.take_clip_request(), precision.loss_scale)
+        if precision.scaler is not None:
+            precision.scaler.update(overflow=self.last_step.skipped)
+        if self.last_step.skipped:
+            log.warning("zoff: non-finite gradient (norm %s) at step %d: step skipped, nothing changed%s",
+                        self.last_step.grad_norm, self.lightning_module.trainer.global_step,
+                        f"; loss scale now {precision.loss_scale:g}" if precision.scaler is not None else "")
         return result
 
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -63,7 +63,7 @@ def test_manual_optimization():
 
 
 def test_precision_64_is_refused_at_trainer_construction():
-    with pytest.raises(ValueError, match=r"precision='64-true'.*'32-true', 'bf16-mixed', 'bf16-true'"):
+    with pytest.raises(ValueError, match=r"precision='64-true'.*'32-true', 'bf16-mixed', 'bf16-true', '16-mixed'"):
         pl.Trainer(accelerator="cpu", devices=1, strategy="zoff", precision="64-true")
 
 
@@ -71,8 +71,11 @@ def test_precision_flag_becomes_zoff_precision():
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="zoff", precision="bf16-true", logger=False)
     assert isinstance(trainer.strategy.precision_plugin, ZoffPrecision)
     assert trainer.strategy.precision_plugin.param_dtype == torch.bfloat16
-    with pytest.raises(ValueError, match="fp16"):
-        ZoffPrecision("16-mixed")
+    assert ZoffPrecision("16-mixed").param_dtype == torch.float16
+    with pytest.raises(ValueError, match="fp16 only"):
+        ZoffPrecision("bf16-mixed", hysteresis=1)
+    with pytest.raises(ValueError, match="precision='fp8'.*'bf16-mixed'.*'16-mixed'"):
+        ZoffPrecision("fp8")
 
 
 def test_uneven_predict_is_refused(tmp_path):

@@ -190,7 +190,7 @@ class OffloadEngine:
 
     # -- step -----------------------------------------------------------------------------------------------
 
-    def _global_grad_norm(self) -> float:
+    def _global_grad_sumsq(self) -> float:
         sq = torch.zeros((), dtype=torch.float64)
         for unit in self.units:
             if not unit.has_grad:
@@ -202,19 +202,21 @@ class OffloadEngine:
                 sq += torch.linalg.vector_norm(grad, dtype=torch.float32).double().cpu() ** 2
         if dist.is_initialized() and self.world_size > 1:
             dist.all_reduce(sq)  # a CPU tensor: gloo, also under "cpu:gloo,cuda:nccl"
-        return math.sqrt(sq.item()) / self.world_size
+        return sq.item()
 
     @torch.no_grad()
-    def step(self, optimizer: torch.optim.Optimizer, max_norm: float | None) -> StepOutcome:
-        """Update every unit that received a gradient in this window; every rank reaches the same decision."""
-        norm = self._global_grad_norm()
-        if not math.isfinite(norm):
+    def step(self, optimizer: torch.optim.Optimizer, max_norm: float | None, loss_scale: float = 1.0) -> StepOutcome:
+        """Update every unit that received a gradient in this window; every rank reaches the same decision.
+
+        The host gradients are sums over ranks of the loss-scaled gradients: the true norm divides by both."""
+        norm = math.sqrt(self._global_grad_sumsq()) / (self.world_size * loss_scale)
+        if not math.isfinite(norm):  # inf or NaN anywhere (fp16 overflow included): change nothing
             self._close_window()
             return StepOutcome(norm, 1.0, skipped=True)
         clip_coef = 1.0
         if max_norm is not None and max_norm > 0:
             clip_coef = min(1.0, max_norm / (norm + 1e-6))
-        scale = clip_coef / self.world_size
+        scale = clip_coef / (self.world_size * loss_scale)
         hyper = [GroupHyperparams.of(g) for g in optimizer.param_groups]
         for unit in self.units:
             if not unit.has_grad:

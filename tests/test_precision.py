@@ -1,0 +1,118 @@
+"""fp16 loss scaling and skipped steps: a non-finite gradient changes nothing, on every rank, bit for bit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_zoff import ZoffPrecision, ZoffStrategy
+from lightning_zoff.loss_scale import DynamicLossScaler
+from tiny import TinyModule, token_loader
+
+BAD_STEP = 3
+
+
+class PoisonedStep(TinyModule):
+    """Multiplies the loss of one optimizer step's micro-batches by `poison` (inf or NaN)."""
+
+    def __init__(self, poison: float):
+        super().__init__()
+        self.poison = poison
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * self.poison if self.trainer.global_step == BAD_STEP else loss
+
+
+class StateWatch(pl.Callback):
+    """Snapshots the whole optimizer-side state around every optimizer step; writes what changed per step."""
+
+    def __init__(self, out: Path):
+        self.out, self.before, self.rows = out, None, []
+
+    def _state(self, trainer):
+        engine = trainer.strategy.engine
+        tensors = [t.clone() for u in engine.units for t in (u.master, u.exp_avg, u.exp_avg_sq)]
+        tensors += [p.to_local().detach().clone() for p in trainer.lightning_module.parameters()]
+        steps = [seg.step for u in engine.units for seg in u.segments]
+        return tensors, steps, [g["lr"] for g in trainer.optimizers[0].param_groups]
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.before = (self._state(trainer), trainer.precision_plugin.loss_scale)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.before is None:
+            return
+        (tensors, steps, lrs), scale = self.before
+        after, steps_after, lrs_after = self._state(trainer)
+        self.rows.append({
+            "skipped": trainer.strategy.last_step.skipped,
+            "unchanged": all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(tensors, after)),
+            "steps_unchanged": steps == steps_after, "lr_unchanged": lrs == lrs_after,
+            "scale_before": scale, "scale_after": trainer.precision_plugin.loss_scale,
+        })
+        self.before = None
+
+    def on_train_end(self, trainer, pl_module):
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.rows))
+
+
+def run(tmp_path, poison, precision):
+    pl.seed_everything(5)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=ZoffStrategy(start_method="fork"), plugins=[precision],
+        max_steps=7, accumulate_grad_batches=2, gradient_clip_val=1.0, callbacks=[StateWatch(tmp_path)],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(PoisonedStep(poison), token_loader())
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.parametrize("precision, poison", [
+    (ZoffPrecision("16-mixed", hysteresis=1), float("inf")),
+    (ZoffPrecision("bf16-mixed"), float("nan")),
+])
+def test_non_finite_step_is_skipped_exactly(tmp_path, precision, poison):
+    for rows in run(tmp_path, poison, precision):
+        assert len(rows) == 7
+        assert [r["skipped"] for r in rows] == [i == BAD_STEP for i in range(7)]
+        bad = rows[BAD_STEP]
+        assert bad["unchanged"] and bad["steps_unchanged"] and bad["lr_unchanged"]  # nothing moved, bit for bit
+        # StepLR(step_size=3) decays after 3 real updates: at index 2, then (one step skipped) at 6, not 5
+        assert [i for i, r in enumerate(rows) if not r["lr_unchanged"]] == [2, 6]
+        others = [r for i, r in enumerate(rows) if i != BAD_STEP]
+        assert not any(r["unchanged"] for r in others)  # training continues before and after
+        if precision.scaler is not None:
+            assert bad["scale_after"] == bad["scale_before"] / 2 == 2.0**15
+            assert all(r["scale_after"] == r["scale_before"] for r in others)
+
+
+def test_scaler_hysteresis_growth_and_state():
+    scaler = DynamicLossScaler(scale=1024.0, growth_interval=3, hysteresis=2, min_scale=256.0)
+    scaler.update(overflow=True)
+    assert scaler.scale == 1024.0  # first overflow tolerated (hysteresis 2)
+    scaler.update(overflow=True)
+    assert scaler.scale == 512.0
+    for _ in range(3):
+        scaler.update(overflow=False)
+    assert scaler.scale == 1024.0
+    for _ in range(6):
+        scaler.update(overflow=True)
+    assert scaler.scale == 256.0  # floor
+    copy = DynamicLossScaler()
+    copy.load_state_dict(scaler.state_dict())
+    assert copy == scaler
+    with pytest.raises(ValueError, match="backoff_factor"):
+        DynamicLossScaler(backoff_factor=2.0)
+
+
+def test_precision_plugin_checkpoints_the_scaler():
+    plugin = ZoffPrecision("16-mixed", scale=512.0)
+    plugin.scaler.update(overflow=True)
+    other = ZoffPrecision("16-mixed")
+    other.load_state_dict(plugin.state_dict())
+    assert other.scaler == plugin.scaler
