@@ -32,6 +32,7 @@ from lightning_zoff.sharding import is_sharded, plan_units, shard_model
 log = logging.getLogger("lightning_zoff")
 
 StartMethod = Literal["subprocess", "fork", "spawn", "forkserver"]
+_ACCUM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class ZoffStrategy(ParallelStrategy):
@@ -44,6 +45,8 @@ class ZoffStrategy(ParallelStrategy):
         start_method: ``"subprocess"`` re-runs the script per rank (Lightning's default); ``"fork"``/``"spawn"``
             start ranks with multiprocessing (fork is the fast choice for CPU tests).
         pin_memory: pin host buffers (falls back to pageable memory with a warning when the OS refuses).
+        grad_accum_dtype: dtype of the host sum of an accumulation window: ``"fp32"`` (exact for 16-bit
+            micro-gradients) or the model's 16-bit dtype (``"bf16"``/``"fp16"``: half the host bytes).
         process_group_backend: default ``"cpu:gloo,cuda:nccl"`` on GPU (host tensors need gloo), ``"gloo"`` on CPU.
     """
 
@@ -61,6 +64,7 @@ class ZoffStrategy(ParallelStrategy):
         wrap_policy: set[type[nn.Module]] | list[type[nn.Module]] | None = None,
         start_method: StartMethod = "subprocess",
         pin_memory: bool = True,
+        grad_accum_dtype: Literal["fp32", "bf16", "fp16"] = "fp32",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -71,6 +75,9 @@ class ZoffStrategy(ParallelStrategy):
         self.wrap_policy = set(wrap_policy) if wrap_policy else None
         self.start_method = start_method
         self.pin_memory = bool(pin_memory)
+        if grad_accum_dtype not in _ACCUM_DTYPES:
+            raise ValueError(f"grad_accum_dtype={grad_accum_dtype!r}; choose one of {sorted(_ACCUM_DTYPES)}.")
+        self.grad_accum_dtype = grad_accum_dtype
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self.num_nodes = 1
@@ -155,6 +162,7 @@ class ZoffStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         self._check_supported(trainer, module)
+        self._check_accum_dtype()
         self.precision_plugin.device_type = self.root_device.type
         if not is_sharded(module):
             self._units = plan_units(module, self.wrap_policy)
@@ -180,6 +188,17 @@ class ZoffStrategy(ParallelStrategy):
                 "strategy='zoff' clips gradients by norm only; use gradient_clip_algorithm='norm' (the default)."
             )
 
+    def _check_accum_dtype(self) -> None:
+        # The window's gradient sum lives on the host in fp32, or in the model's own 16-bit dtype (half the bytes,
+        # rounded at every micro-batch); another dtype would round differently from both.
+        param_dtype = self.precision_plugin.param_dtype
+        valid = sorted({"fp32"} | {name for name, dtype in _ACCUM_DTYPES.items() if dtype == param_dtype})
+        if self.grad_accum_dtype not in valid:
+            raise ValueError(
+                f"grad_accum_dtype={self.grad_accum_dtype!r} cannot accumulate gradients of a"
+                f" {self.precision_plugin.precision} model; choose one of {valid}."
+            )
+
     def setup_optimizers(self, trainer: Any) -> None:
         one_optimizer = (
             "strategy='zoff' drives exactly one optimizer; configure_optimizers returned {}. Put all parameters in"
@@ -199,6 +218,7 @@ class ZoffStrategy(ParallelStrategy):
             self.engine = OffloadEngine(
                 self._units, self._masters, self.optimizers[0],
                 world_size=self.world_size, state_device=state_device, pin_memory=self.pin_memory,
+                grad_accum_dtype=_ACCUM_DTYPES[self.grad_accum_dtype],
             )
             self.engine.attach()
             self._masters = {}

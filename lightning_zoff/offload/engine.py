@@ -49,7 +49,7 @@ class HostUnit:
     master: torch.Tensor  # fp32
     exp_avg: torch.Tensor  # fp32
     exp_avg_sq: torch.Tensor | None  # fp32; Lion has no second moment
-    grad_sum: torch.Tensor  # fp32 sum of this window's micro-batch gradients (a sum over ranks too)
+    grad_sum: torch.Tensor  # sum of this window's micro-batch gradients (a sum over ranks too); fp32 by default
     grad_staging: torch.Tensor  # param dtype, pinned: lands the reduced shard
     param_staging: torch.Tensor  # param dtype, pinned: leaves for the accelerator
     grad_copied: torch.cuda.Event | None = None
@@ -88,7 +88,9 @@ class OffloadEngine:
         state_device: torch.device,
         pin_memory: bool,
         threads: int | None = None,
+        grad_accum_dtype: torch.dtype | None = None,
     ) -> None:
+        self.grad_accum_dtype = grad_accum_dtype  # None: fp32
         self.rule = update_rule_for(optimizer)
         self.threads = threads  # CPU threads of the kernels; None: torch.get_num_threads()
         self.world_size = world_size
@@ -118,7 +120,8 @@ class OffloadEngine:
     ) -> HostUnit:
         n, dev = layout.flat_numel, self.state_device
         param_dtype = layout.slots[0].local.dtype
-        master, exp_avg, grad_sum = (torch.zeros(n, dtype=torch.float32, device=dev) for _ in range(3))
+        master, exp_avg = (torch.zeros(n, dtype=torch.float32, device=dev) for _ in range(2))
+        grad_sum = torch.zeros(n, dtype=self.grad_accum_dtype or torch.float32, device=dev)
         exp_avg_sq = None if self.rule is UpdateRule.LION else torch.zeros(n, dtype=torch.float32, device=dev)
         for slot in layout.slots:
             master[slot.offset : slot.offset + slot.numel].copy_(masters[id(slot.param)].reshape(-1))
