@@ -253,7 +253,6 @@ class ZoffStrategy(ParallelStrategy):
             result = super().optimizer_step(optimizer, closure, model, **kwargs)
         finally:
             self._in_optimizer_step = False
-        self.last_step: StepOutcome | None = None
         assert self.engine is not None
         precision = self.precision_plugin
         self.last_step = self.engine.step(optimizer, precision.take_clip_request(), precision.loss_scale)

@@ -176,8 +176,8 @@ class OffloadEngine:
                 if unit.grad_copied is not None:
                     unit.grad_copied.synchronize()
                 if unit.has_grad:
-                    if unit.grad_in_staging:  # cannot happen with Lightning's loop; kept exact regardless
-                        raise RuntimeError("zoff: a micro-batch arrived after the window's last backward")
+                    if unit.grad_in_staging:  # the staged gradient was just overwritten: refuse, never guess
+                        raise RuntimeError("zoff: a second backward ran after the window's last one, before the step")
                     unit.grad_sum.add_(unit.grad_staging)
                 elif window_ends:
                     unit.grad_in_staging = True
