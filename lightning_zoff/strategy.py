@@ -47,6 +47,12 @@ class ZoffStrategy(ParallelStrategy):
         pin_memory: pin host buffers (falls back to pageable memory with a warning when the OS refuses).
         grad_accum_dtype: dtype of the host sum of an accumulation window: ``"fp32"`` (exact for 16-bit
             micro-gradients) or the model's 16-bit dtype (``"bf16"``/``"fp16"``: half the host bytes).
+        grad_accum_on: where that sum lives between micro-batches: ``"host"`` (each micro-batch's 16-bit shard goes
+            down and is added on the CPU) or ``"accelerator"`` (a partition-sized buffer there; the host gets the
+            sum at the window's end).
+        retain_gpu_grad_partition_until_step: with ``grad_accum_on="accelerator"``, keep that buffer on the
+            accelerator for the whole window (faster) instead of parking it on the host between micro-batches
+            (one partition less of accelerator memory between micro-batches; restored exactly).
         process_group_backend: default ``"cpu:gloo,cuda:nccl"`` on GPU (host tensors need gloo), ``"gloo"`` on CPU.
     """
 
@@ -65,6 +71,8 @@ class ZoffStrategy(ParallelStrategy):
         start_method: StartMethod = "subprocess",
         pin_memory: bool = True,
         grad_accum_dtype: Literal["fp32", "bf16", "fp16"] = "fp32",
+        grad_accum_on: Literal["host", "accelerator"] = "host",
+        retain_gpu_grad_partition_until_step: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -78,6 +86,10 @@ class ZoffStrategy(ParallelStrategy):
         if grad_accum_dtype not in _ACCUM_DTYPES:
             raise ValueError(f"grad_accum_dtype={grad_accum_dtype!r}; choose one of {sorted(_ACCUM_DTYPES)}.")
         self.grad_accum_dtype = grad_accum_dtype
+        if grad_accum_on not in ("host", "accelerator"):
+            raise ValueError(f"grad_accum_on={grad_accum_on!r}; choose 'host' or 'accelerator'.")
+        self.grad_accum_on = grad_accum_on
+        self.retain_gpu_grad_partition_until_step = bool(retain_gpu_grad_partition_until_step)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self.num_nodes = 1
@@ -219,6 +231,8 @@ class ZoffStrategy(ParallelStrategy):
                 self._units, self._masters, self.optimizers[0],
                 world_size=self.world_size, state_device=state_device, pin_memory=self.pin_memory,
                 grad_accum_dtype=_ACCUM_DTYPES[self.grad_accum_dtype],
+                accumulate_on_accelerator=self.grad_accum_on == "accelerator",
+                retain_device_sum=self.retain_gpu_grad_partition_until_step,
             )
             self.engine.attach()
             self._masters = {}
@@ -238,9 +252,10 @@ class ZoffStrategy(ParallelStrategy):
     # -- the training step ----------------------------------------------------------------------------------
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         assert self.engine is not None
-        self.engine.after_backward(window_ends=self._in_optimizer_step)
+        self.engine.begin_backward(window_ends=self._in_optimizer_step)
+        closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        self.engine.after_backward()
         return closure_loss
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:

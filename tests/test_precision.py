@@ -156,14 +156,15 @@ class ReadWindowGradient(pl.Callback):
 WINDOW = 16
 
 
-def window_error(tmp_path, accum):
+def window_error(tmp_path, accum, where):
     # micro-gradients exact in bf16 (8 significant bits in [1, 2)); both ranks see the same c, so the bf16
     # reduce-scatter sum 2c is exact too, and only the host accumulation can round
     g = torch.Generator().manual_seed(0)
     cs = (1 + torch.randint(0, 256, (WINDOW, 64), generator=g) / 256).to(torch.bfloat16).float()
     data = torch.utils.data.TensorDataset(torch.zeros(2 * WINDOW, 1))  # only the batch count matters
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=ZoffStrategy(start_method="fork", grad_accum_dtype=accum),
+        accelerator="cpu", devices=2,
+        strategy=ZoffStrategy(start_method="fork", grad_accum_dtype=accum, grad_accum_on=where),
         precision="bf16-mixed", max_steps=1, accumulate_grad_batches=WINDOW, callbacks=[ReadWindowGradient(tmp_path)],
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
@@ -180,15 +181,16 @@ def window_error(tmp_path, accum):
 def test_window_sum_precision_table(tmp_path):
     table = {}
     for accum in ("fp32", "bf16"):
-        out = tmp_path / accum
-        out.mkdir()
-        table[accum] = window_error(out, accum)
-    print("\nwindow sum of 16 bf16-exact micro-gradients, read at the boundary (CPU host accumulation):")
-    print(f"{'accumulation':>14} {'where':>6} {'rel max error':>14}")
-    for accum, err in table.items():
-        print(f"{accum:>14} {'cpu':>6} {err:>14.3e}")
-    assert table["fp32"] == 0.0  # exact
-    assert table["bf16"] > 1e-4  # bf16 rounds at every micro-batch: the reason fp32 is the default
+        for where in ("host", "accelerator"):
+            out = tmp_path / f"{accum}_{where}"
+            out.mkdir()
+            table[accum, where] = window_error(out, accum, where)
+    print("\nwindow sum of 16 bf16-exact micro-gradients, read at the boundary (the accelerator is the CPU here):")
+    print(f"{'accumulation':>14} {'where':>12} {'rel max error':>14}")
+    for (accum, where), err in table.items():
+        print(f"{accum:>14} {where:>12} {err:>14.3e}")
+    assert table["fp32", "host"] == table["fp32", "accelerator"] == 0.0  # exact
+    assert table["bf16", "host"] == table["bf16", "accelerator"] > 1e-4  # rounds at every micro-batch
 
 
 def test_accumulation_dtype_must_fit_the_model():

@@ -125,3 +125,17 @@ def test_lion_matches_ddp_with_the_same_optimizer(tmp_path):
 def test_no_offload_matches_ddp(tmp_path, ddp_losses):
     fit(tmp_path, ZoffStrategy(start_method="fork", offload=False))
     assert rel_err(read_probe(tmp_path)["losses"], ddp_losses["losses"]) < 1e-5
+
+
+@pytest.mark.parametrize("retain", [False, True])
+def test_accumulating_on_the_accelerator_gives_the_same_bits(tmp_path, retain):
+    host, accel = tmp_path / "host", tmp_path / "accel"
+    host.mkdir()
+    accel.mkdir()
+    _, host_module = fit(host, ZoffStrategy(start_method="fork"), precision="bf16-true", accumulate=3, max_steps=5)
+    _, accel_module = fit(accel, ZoffStrategy(start_method="fork", grad_accum_on="accelerator",
+                                              retain_gpu_grad_partition_until_step=retain),
+                          precision="bf16-true", accumulate=3, max_steps=5)
+    assert read_probe(accel)["losses"] == read_probe(host)["losses"]
+    for a, b in zip(accel_module.state_dict().values(), host_module.state_dict().values()):
+        assert torch.equal(a, b)

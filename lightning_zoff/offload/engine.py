@@ -7,7 +7,10 @@
 2. End of each backward (`after_backward`). Wait for those copies and drop FSDP2's `.grad` views, so no
    gradient stays on the accelerator between micro-batches. When more micro-batches follow, add the shard into
    the unit's fp32 host `grad_sum`; a window of one micro-batch leaves it in `grad_staging`, which the kernel
-   reads directly (promoting 16 to 32 bits is exact, so both give the same bits).
+   reads directly (promoting 16 to 32 bits is exact, so both give the same bits). With
+   `accumulate_on_accelerator`, the hook instead adds each shard into an fp32 buffer on the accelerator and
+   the host receives the sum once, at the window's end (or after every micro-batch, freeing the buffer in
+   between, unless `retain_device_sum`). The sums are the same adds in the same order: the same bits.
 3. Step (`step`). The global norm of the averaged gradient (per-rank sum of squares, all-reduced) decides:
    skip when it is not finite, else one combined scale 1/world x clip factor goes into the kernel. One fused
    pass per run of parameters reads the gradient, updates the fp32 master and moments and writes the 16-bit
@@ -57,6 +60,7 @@ class HostUnit:
     grad_arrived: bool = False  # in this backward
     has_grad: bool = False  # in this accumulation window
     grad_in_staging: bool = False  # the window's whole gradient is still in grad_staging
+    device_sum: torch.Tensor | None = None  # the window's sum on the accelerator (accumulate_on_accelerator)
     host_tensors: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -89,8 +93,13 @@ class OffloadEngine:
         pin_memory: bool,
         threads: int | None = None,
         grad_accum_dtype: torch.dtype | None = None,
+        accumulate_on_accelerator: bool = False,
+        retain_device_sum: bool = False,
     ) -> None:
         self.grad_accum_dtype = grad_accum_dtype  # None: fp32
+        self.accumulate_on_accelerator = accumulate_on_accelerator
+        self.retain_device_sum = retain_device_sum
+        self.window_ends = False
         self.rule = update_rule_for(optimizer)
         self.threads = threads  # CPU threads of the kernels; None: torch.get_num_threads()
         self.world_size = world_size
@@ -121,7 +130,7 @@ class OffloadEngine:
         n, dev = layout.flat_numel, self.state_device
         param_dtype = layout.slots[0].local.dtype
         master, exp_avg = (torch.zeros(n, dtype=torch.float32, device=dev) for _ in range(2))
-        grad_sum = torch.zeros(n, dtype=self.grad_accum_dtype or torch.float32, device=dev)
+        grad_sum = host_empty(n, self.grad_accum_dtype or torch.float32, dev, pin).zero_()
         exp_avg_sq = None if self.rule is UpdateRule.LION else torch.zeros(n, dtype=torch.float32, device=dev)
         for slot in layout.slots:
             master[slot.offset : slot.offset + slot.numel].copy_(masters[id(slot.param)].reshape(-1))
@@ -157,6 +166,10 @@ class OffloadEngine:
             module.set_force_sum_reduction_for_comms(True)  # gloo has no AVG; the 1/world goes into the step
             module.set_all_reduce_hook(lambda flat, unit=unit: self._on_unit_reduced(unit, flat), stream=self.copy_stream)
 
+    def begin_backward(self, window_ends: bool) -> None:
+        """Called before each backward; `window_ends`: it is the window's last (Lightning steps right after)."""
+        self.window_ends = window_ends
+
     def _on_unit_reduced(self, unit: HostUnit, flat_grad: torch.Tensor) -> None:
         # Runs inside FSDP2's backward, on the copy stream; FSDP2's later use of `flat_grad` is on this stream too.
         if flat_grad.numel() != unit.layout.flat_numel:
@@ -164,22 +177,41 @@ class OffloadEngine:
                 f"zoff: unit {unit.layout.name!r} reduced {flat_grad.numel()} gradient elements, expected"
                 f" {unit.layout.flat_numel}; this torch version lays out FSDP2 shards differently."
             )
-        unit.grad_staging.copy_(flat_grad, non_blocking=True)
-        unit.grad_copied = _record_event(self.param_device)
         unit.grad_arrived = True
+        if not self.accumulate_on_accelerator or (self.window_ends and not unit.has_grad):
+            # host accumulation, or a window of one micro-batch: the 16-bit shard goes down as it is
+            unit.grad_staging.copy_(flat_grad, non_blocking=True)
+        else:
+            self._accumulate_on_accelerator(unit, flat_grad)
+        unit.grad_copied = _record_event(self.param_device)
+
+    def _accumulate_on_accelerator(self, unit: HostUnit, flat_grad: torch.Tensor) -> None:
+        # The window's sum lives in an accelerator buffer; the host sees it once, at the window's end. Unless
+        # retained, the buffer goes down to the host after every micro-batch and comes back (exactly) for the next.
+        if unit.device_sum is None and unit.has_grad:
+            unit.device_sum = unit.grad_sum.to(self.param_device, non_blocking=True, copy=True)
+        if unit.device_sum is None:
+            unit.device_sum = flat_grad.to(unit.grad_sum.dtype, copy=True)
+        else:
+            unit.device_sum.add_(flat_grad)
+        if self.window_ends or not self.retain_device_sum:
+            unit.grad_sum.copy_(unit.device_sum, non_blocking=True)
 
     @torch.no_grad()
-    def after_backward(self, window_ends: bool) -> None:
-        """`window_ends`: this backward is the last of the accumulation window (Lightning steps next)."""
+    def after_backward(self) -> None:
+        """Wait for this backward's copies, fold them into the window's sum, free the accelerator's gradients."""
         for unit in self.units:
             if unit.grad_arrived:
                 if unit.grad_copied is not None:
                     unit.grad_copied.synchronize()
-                if unit.has_grad:
+                if self.accumulate_on_accelerator and unit.device_sum is not None:
+                    if self.window_ends or not self.retain_device_sum:
+                        unit.device_sum = None  # the host holds the sum now
+                elif unit.has_grad:
                     if unit.grad_in_staging:  # the staged gradient was just overwritten: refuse, never guess
                         raise RuntimeError("zoff: a second backward ran after the window's last one, before the step")
                     unit.grad_sum.add_(unit.grad_staging)
-                elif window_ends:
+                elif self.window_ends:
                     unit.grad_in_staging = True
                 else:
                     unit.grad_sum.copy_(unit.grad_staging)
@@ -259,11 +291,19 @@ class OffloadEngine:
                                 for u in self.units),
         }
         host_total = sum(host.values())
+        sum_bytes = [u.layout.flat_numel * u.grad_sum.element_size() for u in self.units]
+        if not self.accumulate_on_accelerator:
+            accel_sum = 0
+        elif self.retain_device_sum:
+            accel_sum = sum(sum_bytes)  # every unit's buffer for the whole window
+        else:
+            accel_sum = max(sum_bytes, default=0)  # one unit's, while its backward runs
         return {
             "local_params": local_numel,
             "accelerator_params": accel_params,
             # the largest unit's reduced gradient lives on the accelerator only until it reaches the host
             "accelerator_grad_peak": max((u.layout.flat_numel * u.grad_staging.element_size() for u in self.units), default=0),
+            "accelerator_grad_sum": accel_sum,
             **host,
             "host_total": host_total,
             "accelerator_bytes_per_param": accel_params / max(local_numel, 1),
