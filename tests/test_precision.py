@@ -200,3 +200,41 @@ def test_accumulation_dtype_must_fit_the_model():
     strategy.precision_plugin = ZoffPrecision("bf16-mixed")
     with pytest.raises(ValueError, match=r"cannot accumulate gradients of a bf16-mixed model; choose one of \['bf16', 'fp32'\]"):
         strategy._check_accum_dtype()
+
+
+class LargeGradients(pl.LightningModule):
+    """Each micro-gradient is 5000 per element on each rank: finite in fp16, and so is the reduced 10000,
+    but 16 of them sum to 160000, past fp16's 65504."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = Dot()
+
+    def training_step(self, batch, batch_idx):
+        # Lightning divides by the 16 micro-batches and the loss scale (16) multiplies back: gradient = c
+        return self.model(torch.full((64,), 5000.0, dtype=torch.float16)).float()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class RecordSkips(pl.Callback):
+    def __init__(self, out: Path):
+        self.out = out
+
+    def on_train_end(self, trainer, pl_module):
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(trainer.strategy.last_step.skipped))
+
+
+@pytest.mark.parametrize("accum, where, skipped", [
+    ("fp16", "host", True), ("fp16", "accelerator", True), ("fp32", "host", False), ("fp32", "accelerator", False),
+])
+def test_overflow_is_judged_on_the_stored_sum(tmp_path, accum, where, skipped):
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, plugins=[ZoffPrecision("16-true", scale=16.0)],
+        strategy=ZoffStrategy(start_method="fork", grad_accum_dtype=accum, grad_accum_on=where),
+        max_steps=1, accumulate_grad_batches=WINDOW, callbacks=[RecordSkips(tmp_path)], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(LargeGradients(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(2 * WINDOW, 1))))
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)] == [skipped, skipped]
