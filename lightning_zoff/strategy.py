@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -27,6 +28,7 @@ from lightning_zoff.launchers import ZoffMultiProcessingLauncher
 from lightning_zoff.offload import OffloadEngine, StepOutcome, describe_memory
 from lightning_zoff.precision import ZoffPrecision
 from lightning_zoff.schedulers import SkipAwareScheduler
+from lightning_zoff.telemetry import StepTimer
 from lightning_zoff.sharding import is_sharded, plan_units, shard_model
 
 log = logging.getLogger("lightning_zoff")
@@ -53,6 +55,8 @@ class ZoffStrategy(ParallelStrategy):
         retain_gpu_grad_partition_until_step: with ``grad_accum_on="accelerator"``, keep that buffer on the
             accelerator for the whole window (faster) instead of parking it on the host between micro-batches
             (one partition less of accelerator memory between micro-batches; restored exactly).
+        cpu_threads: threads of this rank's CPU optimizer kernels; default: the cores this process may use,
+            divided by the ranks on this node.
         process_group_backend: default ``"cpu:gloo,cuda:nccl"`` on GPU (host tensors need gloo), ``"gloo"`` on CPU.
     """
 
@@ -72,6 +76,7 @@ class ZoffStrategy(ParallelStrategy):
         pin_memory: bool = True,
         grad_accum_dtype: Literal["fp32", "bf16", "fp16"] = "fp32",
         grad_accum_on: Literal["host", "accelerator"] = "host",
+        cpu_threads: int | None = None,
         retain_gpu_grad_partition_until_step: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -89,6 +94,7 @@ class ZoffStrategy(ParallelStrategy):
         if grad_accum_on not in ("host", "accelerator"):
             raise ValueError(f"grad_accum_on={grad_accum_on!r}; choose 'host' or 'accelerator'.")
         self.grad_accum_on = grad_accum_on
+        self.cpu_threads = cpu_threads
         self.retain_gpu_grad_partition_until_step = bool(retain_gpu_grad_partition_until_step)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -98,6 +104,7 @@ class ZoffStrategy(ParallelStrategy):
         self._masters: dict[int, torch.Tensor] = {}
         self._in_optimizer_step = False
         self.last_step: StepOutcome | None = None
+        self._timer = StepTimer(torch.device("cpu"))
 
     # -- precision: whatever the `precision=` flag built becomes a ZoffPrecision ----------------------------
 
@@ -176,6 +183,7 @@ class ZoffStrategy(ParallelStrategy):
         self._check_supported(trainer, module)
         self._check_accum_dtype()
         self.precision_plugin.device_type = self.root_device.type
+        self._timer = StepTimer(self.root_device)
         if not is_sharded(module):
             self._units = plan_units(module, self.wrap_policy)
             mesh = init_device_mesh(self.root_device.type, (self.world_size,))
@@ -232,7 +240,7 @@ class ZoffStrategy(ParallelStrategy):
                 world_size=self.world_size, state_device=state_device, pin_memory=self.pin_memory,
                 grad_accum_dtype=_ACCUM_DTYPES[self.grad_accum_dtype],
                 accumulate_on_accelerator=self.grad_accum_on == "accelerator",
-                retain_device_sum=self.retain_gpu_grad_partition_until_step,
+                retain_device_sum=self.retain_gpu_grad_partition_until_step, threads=self._optimizer_threads(),
             )
             self.engine.attach()
             self._masters = {}
@@ -241,22 +249,47 @@ class ZoffStrategy(ParallelStrategy):
             if config.interval == "step" and not isinstance(config.scheduler, SkipAwareScheduler):
                 config.scheduler = SkipAwareScheduler(config.scheduler, self._last_step_skipped)
 
+    def _log_step(self, loss_scale: float) -> None:
+        # Lightning allows logging from `optimizer_step`; its loggers keep their own cadence
+        assert self.engine is not None and self.last_step is not None
+        times, traffic = self._timer.take(), self.engine.take_traffic()
+        metrics = {f"zoff/{phase}_s": seconds for phase, seconds in times.items()}
+        metrics |= {
+            "zoff/exposed_optimizer_s": times.get("optimizer", 0.0),  # the accelerator waits for all of it today
+            "zoff/cpu_update_s": traffic.cpu_update_s, "zoff/d2h_gb": traffic.d2h_bytes / 1e9,
+            "zoff/h2d_gb": traffic.h2d_bytes / 1e9, "zoff/grad_norm": self.last_step.grad_norm,
+            "zoff/skipped": float(self.last_step.skipped), "zoff/loss_scale": loss_scale,
+        }
+        self.lightning_module.log_dict(metrics, on_step=True, on_epoch=False)
+
     def _last_step_skipped(self) -> bool:
         return self.last_step is not None and self.last_step.skipped
+
+    def _optimizer_threads(self) -> int:
+        # each rank on this node gets its share of the cores this process may run on
+        if self.cpu_threads:
+            return self.cpu_threads
+        return max(1, len(os.sched_getaffinity(0)) // max(1, self.num_processes))
 
     def _log_memory(self) -> None:
         assert self.engine is not None
         self.memory_report = self.engine.memory_report()
-        log.info("zoff rank %d memory: %s", self.global_rank, describe_memory(self.memory_report))
+        log.info("zoff rank %d: %d CPU threads for the optimizer; memory: %s", self.global_rank, self.engine.threads,
+                 describe_memory(self.memory_report))
 
     # -- the training step ----------------------------------------------------------------------------------
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         assert self.engine is not None
         self.engine.begin_backward(window_ends=self._in_optimizer_step)
-        closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
-        self.engine.after_backward()
+        with self._timer.measure("backward"):
+            closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+            self.engine.after_backward()
         return closure_loss
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._timer.measure("forward"):
+            return super().training_step(*args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         # Lightning's precision plugin runs the closure (forward, backward, clipping hook) through
@@ -270,9 +303,11 @@ class ZoffStrategy(ParallelStrategy):
             self._in_optimizer_step = False
         assert self.engine is not None
         precision = self.precision_plugin
-        self.last_step = self.engine.step(optimizer, precision.take_clip_request(), precision.loss_scale)
+        with self._timer.measure("optimizer"):
+            self.last_step = self.engine.step(optimizer, precision.take_clip_request(), precision.loss_scale)
         if precision.scaler is not None:
             precision.scaler.update(overflow=self.last_step.skipped)
+        self._log_step(precision.loss_scale)
         if self.last_step.skipped:
             log.warning("zoff: non-finite gradient (norm %s) at step %d: step skipped, nothing changed%s",
                         self.last_step.grad_norm, self.lightning_module.trainer.global_step,

@@ -4,3 +4,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    # GNU OpenMP cannot fork once its thread pool has started: a forked child that opens a parallel region then
+    # waits forever. The kernel tests start our pool (2 threads) in this process, and most Lightning tests fork
+    # their ranks from it, so the kernel tests run last.
+    items.sort(key=lambda item: Path(str(item.fspath)).name == "test_kernels.py")

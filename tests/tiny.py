@@ -120,6 +120,7 @@ class Probe(Callback):
             "num_params": sum(p.numel() for p in pl_module.parameters()),
             "lr": [g["lr"] for g in trainer.optimizers[0].param_groups],
             "clip_coefs": self.clip_coefs,
+            "telemetry": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("zoff/")},
         }
         if engine is not None:
             info["memory"] = engine.memory_report()

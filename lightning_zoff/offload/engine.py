@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +65,15 @@ class HostUnit:
     host_tensors: list[torch.Tensor] = field(default_factory=list)
 
 
+@dataclass
+class Traffic:
+    """What one optimizer step moved and cost on the host side (summed over its window)."""
+
+    d2h_bytes: int = 0
+    h2d_bytes: int = 0
+    cpu_update_s: float = 0.0
+
+
 @dataclass(frozen=True)
 class StepOutcome:
     grad_norm: float  # of the averaged, unclipped gradient
@@ -100,6 +110,7 @@ class OffloadEngine:
         self.accumulate_on_accelerator = accumulate_on_accelerator
         self.retain_device_sum = retain_device_sum
         self.window_ends = False
+        self.traffic = Traffic()
         self.rule = update_rule_for(optimizer)
         self.threads = threads  # CPU threads of the kernels; None: torch.get_num_threads()
         self.world_size = world_size
@@ -181,6 +192,7 @@ class OffloadEngine:
         if not self.accumulate_on_accelerator or (self.window_ends and not unit.has_grad):
             # host accumulation, or a window of one micro-batch: the 16-bit shard goes down as it is
             unit.grad_staging.copy_(flat_grad, non_blocking=True)
+            self.traffic.d2h_bytes += unit.grad_staging.nbytes
         else:
             self._accumulate_on_accelerator(unit, flat_grad)
         unit.grad_copied = _record_event(self.param_device)
@@ -190,12 +202,14 @@ class OffloadEngine:
         # retained, the buffer goes down to the host after every micro-batch and comes back (exactly) for the next.
         if unit.device_sum is None and unit.has_grad:
             unit.device_sum = unit.grad_sum.to(self.param_device, non_blocking=True, copy=True)
+            self.traffic.h2d_bytes += unit.grad_sum.nbytes
         if unit.device_sum is None:
             unit.device_sum = flat_grad.to(unit.grad_sum.dtype, copy=True)
         else:
             unit.device_sum.add_(flat_grad)
         if self.window_ends or not self.retain_device_sum:
             unit.grad_sum.copy_(unit.device_sum, non_blocking=True)
+            self.traffic.d2h_bytes += unit.grad_sum.nbytes
 
     @torch.no_grad()
     def after_backward(self) -> None:
@@ -253,6 +267,7 @@ class OffloadEngine:
             clip_coef = min(1.0, max_norm / (norm + 1e-6))
         scale = clip_coef / (self.world_size * loss_scale)
         hyper = [GroupHyperparams.of(g) for g in optimizer.param_groups]
+        start = time.perf_counter()
         for unit in self.units:
             if not unit.has_grad:
                 continue  # no gradient in this window: like torch, leave parameter and state alone
@@ -269,9 +284,15 @@ class OffloadEngine:
             for slot in unit.updated_slots:
                 local = slot.local
                 local.copy_(unit.param_staging[slot.offset : slot.offset + slot.numel].view_as(local), non_blocking=True)
+                self.traffic.h2d_bytes += local.nbytes
             unit.params_copied = _record_event(self.param_device)
+        self.traffic.cpu_update_s += time.perf_counter() - start
         self._close_window()
         return StepOutcome(norm, clip_coef, skipped=False)
+
+    def take_traffic(self) -> Traffic:
+        traffic, self.traffic = self.traffic, Traffic()
+        return traffic
 
     def _close_window(self) -> None:
         for unit in self.units:
