@@ -1,0 +1,25 @@
+"""ZoffStrategy as a LightningCLI class_path, with its options from the command line."""
+
+from lightning.pytorch.cli import LightningCLI
+
+from lightning_zoff import ZoffStrategy
+from tiny import TinyModule
+
+
+def test_strategy_from_class_path():
+    cli = LightningCLI(TinyModule, run=False, args=[
+        "--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.logger=false",
+        "--trainer.strategy.class_path=lightning_zoff.ZoffStrategy",
+        "--trainer.strategy.init_args.start_method=fork",
+        "--trainer.strategy.init_args.grad_accum_on=accelerator",
+        "--trainer.strategy.init_args.cpu_threads=1",
+    ])
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, ZoffStrategy)
+    assert (strategy.start_method, strategy.grad_accum_on, strategy.cpu_threads) == ("fork", "accelerator", 1)
+
+
+def test_registered_name_from_the_cli():
+    cli = LightningCLI(TinyModule, run=False, args=["--trainer.accelerator=cpu", "--trainer.strategy=zoff_no_offload",
+                                                    "--trainer.logger=false"])
+    assert isinstance(cli.trainer.strategy, ZoffStrategy) and not cli.trainer.strategy.offload
