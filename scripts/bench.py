@@ -30,7 +30,52 @@ MODELS = {
     "tiny": dict(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64, bias=False),  # CPU smoke test
     "small": dict(vocab_size=32000, block_size=512, n_layer=4, n_head=8, n_embd=512, bias=False),
 }
-RUNS = ("gpu_only", "zoff", "zoff_no_offload")
+RUNS = ("gpu_only", "deepspeed_zero3_offload", "fsdp2_cpu_offload", "zoff", "zoff_no_offload")
+
+
+def build_run(name: str, cfg: dict):
+    """(LightningModule, strategy, precision) of one run: the same GPT and AdamW hyperparameters everywhere."""
+    import torch
+    from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
+
+    from lightning_zoff.examples.gpt import GPTModule
+
+    def groups(module):  # the example's two param groups (decay / no decay), as plain dicts
+        return [{"params": g["params"], "weight_decay": g["weight_decay"]}
+                for g in GPTModule.configure_optimizers(module).param_groups]
+
+    class DeepSpeedOffloadGPT(GPTModule):
+        def configure_optimizers(self):
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(groups(self), lr=self.hparams.lr, betas=tuple(self.hparams.betas),
+                                    eps=self.hparams.eps, adamw_mode=True)
+
+    class FSDP2OffloadGPT(GPTModule):
+        def configure_model(self):
+            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            policy = dict(mesh=mesh, offload_policy=CPUOffloadPolicy(),
+                          mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+            for block in self.model.blocks:
+                fully_shard(block, **policy)
+            fully_shard(self.model, **policy)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(groups(self), lr=self.hparams.lr, betas=tuple(self.hparams.betas),
+                                     eps=self.hparams.eps, fused=True)
+
+    if name == "deepspeed_zero3_offload":
+        # Lightning's own strategy, as users run it, with pinned memory asked for explicitly
+        strategy = DeepSpeedStrategy(stage=3, offload_optimizer=True, offload_optimizer_device="cpu", pin_memory=True)
+        return DeepSpeedOffloadGPT(**cfg, lr=1e-4), strategy, "bf16-mixed"
+    if name == "fsdp2_cpu_offload":
+        # FSDP2 casts to bf16 itself (MixedPrecisionPolicy); "32-true" keeps Lightning's plugin out of the way
+        return FSDP2OffloadGPT(**cfg, lr=1e-4), ModelParallelStrategy(), "32-true"
+    # gpu_only uses torch's default (foreach) AdamW on the GPU: Lightning refuses clipping with the fused one
+    strategy = {"gpu_only": "auto", "zoff": "zoff", "zoff_no_offload": "zoff_no_offload"}[name]
+    return GPTModule(**cfg, lr=1e-4), strategy, "bf16-mixed"
 
 
 def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int, batch: int) -> dict:
@@ -39,7 +84,6 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
 
     import lightning_zoff  # noqa: F401
     from lightning_zoff.examples.corpus import SyntheticDataModule
-    from lightning_zoff.examples.gpt import GPTModule
 
     cfg = MODELS[model_name]
 
@@ -69,14 +113,13 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
             self.step_start, self.opt_start = None, None
 
     pl.seed_everything(0)
-    # gpu_only uses torch's default (foreach) AdamW on the GPU: Lightning refuses clipping with the fused one
-    module = GPTModule(**cfg, lr=1e-4)
+    module, strategy, precision = build_run(name, cfg)
     params = sum(p.numel() for p in module.parameters())
     data = SyntheticDataModule(vocab_size=cfg["vocab_size"], block_size=cfg["block_size"], batch_size=batch,
                                num_samples=batch * accumulate * (steps + warmup) + batch)
-    strategy = {"gpu_only": "auto", "zoff": "zoff", "zoff_no_offload": "zoff_no_offload"}[name]
     timer = Timer()
-    trainer = pl.Trainer(accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=1, strategy=strategy, precision="bf16-mixed",
+    trainer = pl.Trainer(accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=1, strategy=strategy,
+                         precision=precision,
                          max_steps=steps + warmup, accumulate_grad_batches=accumulate, gradient_clip_val=1.0,
                          callbacks=[timer], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, limit_val_batches=0)
@@ -96,7 +139,7 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=sorted(MODELS), default="gpt1b")
-    parser.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS))
+    parser.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS))  # deepspeed needs its wheel (.whl)
     parser.add_argument("--accumulate", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
