@@ -9,6 +9,10 @@ from torch import nn
 from lightning_zoff.offload import OffloadEngine
 
 
+# torch 2.13 renamed all_gather_into_tensor (2.11 has only the old name)
+_all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
 def full_state_dict(module: nn.Module, engine: OffloadEngine) -> dict[str, torch.Tensor]:
     """The module's state dict with every parameter as its full fp32 master on the CPU. A collective: every rank
     calls it and gets the whole dict."""
@@ -20,7 +24,7 @@ def full_state_dict(module: nn.Module, engine: OffloadEngine) -> dict[str, torch
         master = unit.master.cpu()
         gathered = torch.empty(engine.world_size * master.numel(), dtype=master.dtype)
         if engine.world_size > 1:
-            dist.all_gather_into_tensor(gathered, master)
+            _all_gather_flat(gathered, master)
         else:
             gathered.copy_(master)
         per_rank = gathered.view(engine.world_size, -1)
