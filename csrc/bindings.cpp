@@ -33,15 +33,15 @@ void check_f32(const at::Tensor& t, const char* name, int64_t numel) {
   check_layout(t, name, numel);
 }
 
-DType grad_dtype(const at::Tensor& grad, int64_t numel) {
+DType float_dtype(const at::Tensor& grad, int64_t numel, const char* name = "grad") {
   DType dtype = DType::kF32;
   switch (grad.scalar_type()) {
     case at::kFloat: dtype = DType::kF32; break;
     case at::kBFloat16: dtype = DType::kBF16; break;
     case at::kHalf: dtype = DType::kF16; break;
-    default: TORCH_CHECK_VALUE(false, "grad must be float32, bfloat16 or float16, got ", grad.scalar_type());
+    default: TORCH_CHECK_VALUE(false, name, " must be float32, bfloat16 or float16, got ", grad.scalar_type());
   }
-  check_layout(grad, "grad", numel);
+  check_layout(grad, name, numel);
   return dtype;
 }
 
@@ -54,6 +54,24 @@ std::pair<void*, DType> out_buffer(const std::optional<at::Tensor>& out, int64_t
   return {out->data_ptr(), st == at::kBFloat16 ? DType::kBF16 : DType::kF16};
 }
 
+// Where the updated state goes: `into` (param, exp_avg[, exp_avg_sq]) or, when absent, the inputs themselves.
+std::vector<float*> state_out(const std::optional<std::vector<at::Tensor>>& into, const std::vector<at::Tensor>& state,
+                              int64_t numel) {
+  if (!into.has_value()) {
+    std::vector<float*> same;
+    for (const auto& t : state) same.push_back(t.data_ptr<float>());
+    return same;
+  }
+  TORCH_CHECK_VALUE(into->size() == state.size(), "into must hold ", state.size(), " tensors (the updated state), got ",
+                    into->size());
+  std::vector<float*> out;
+  for (size_t i = 0; i < state.size(); ++i) {
+    check_f32((*into)[i], "into", numel);
+    out.push_back((*into)[i].data_ptr<float>());
+  }
+  return out;
+}
+
 int checked_threads(int64_t threads) {
   TORCH_CHECK_VALUE(threads >= 1 && threads <= 4096, "threads must be in [1, 4096], got ", threads);
   return int(threads);
@@ -62,12 +80,14 @@ int checked_threads(int64_t threads) {
 void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& out, double lr, double beta1,
                double beta2, double eps, double weight_decay, int64_t step, bool decoupled, bool maximize,
-               double grad_scale, const std::string& isa, int64_t threads) {
+               double grad_scale, const std::optional<std::vector<at::Tensor>>& into, const std::string& isa,
+               int64_t threads) {
   const int64_t n = param.numel();
   check_f32(param, "param", n);
   check_f32(exp_avg, "exp_avg", n);
   check_f32(exp_avg_sq, "exp_avg_sq", n);
-  const DType gdtype = grad_dtype(grad, n);
+  const auto dst = state_out(into, {param, exp_avg, exp_avg_sq}, n);
+  const DType gdtype = float_dtype(grad, n);
   const auto [out_ptr, out_dtype] = out_buffer(out, n);
   TORCH_CHECK_VALUE(step >= 1, "step counts this step, starting at 1; got ", step);
   const IsaKernels& kernels = kernels_for(isa);
@@ -75,6 +95,9 @@ void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
   const AdamTask task{param.data_ptr<float>(),
                       exp_avg.data_ptr<float>(),
                       exp_avg_sq.data_ptr<float>(),
+                      dst[0],
+                      dst[1],
+                      dst[2],
                       grad.data_ptr(),
                       gdtype,
                       out_ptr,
@@ -86,16 +109,20 @@ void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
 
 void lion_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                const std::optional<at::Tensor>& out, double lr, double beta1, double beta2, double weight_decay,
-               double grad_scale, bool maximize, const std::string& isa, int64_t threads) {
+               double grad_scale, bool maximize, const std::optional<std::vector<at::Tensor>>& into,
+               const std::string& isa, int64_t threads) {
   const int64_t n = param.numel();
   check_f32(param, "param", n);
   check_f32(exp_avg, "exp_avg", n);
-  const DType gdtype = grad_dtype(grad, n);
+  const auto dst = state_out(into, {param, exp_avg}, n);
+  const DType gdtype = float_dtype(grad, n);
   const auto [out_ptr, out_dtype] = out_buffer(out, n);
   const IsaKernels& kernels = kernels_for(isa);
   const int team = threads_for(n, checked_threads(threads));
   const LionTask task{param.data_ptr<float>(),
                       exp_avg.data_ptr<float>(),
+                      dst[0],
+                      dst[1],
                       grad.data_ptr(),
                       gdtype,
                       out_ptr,
@@ -108,7 +135,7 @@ void lion_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
 std::tuple<double, bool> grad_sumsq_finite(const at::Tensor& grad, double grad_scale, const std::string& isa,
                                            int64_t threads) {
   const int64_t n = grad.numel();
-  const SumsqTask task{grad.data_ptr(), grad_dtype(grad, n), float(grad_scale)};
+  const SumsqTask task{grad.data_ptr(), float_dtype(grad, n), float(grad_scale)};
   const IsaKernels& kernels = kernels_for(isa);
   const int team = threads_for(n, checked_threads(threads));
   pybind11::gil_scoped_release no_gil;
@@ -119,6 +146,15 @@ std::tuple<double, bool> grad_sumsq_finite(const at::Tensor& grad, double grad_s
   // The square of a finite float is finite in double and so is any sum of them: the total is finite exactly
   // when every scaled gradient value (grad * grad_scale, in fp32) is.
   return {total, std::isfinite(total)};
+}
+
+void accumulate(const at::Tensor& dst, const at::Tensor& src, const std::string& isa, int64_t threads) {
+  const int64_t n = dst.numel();
+  const AccumulateTask task{dst.data_ptr(), float_dtype(dst, n, "dst"), src.data_ptr(), float_dtype(src, n, "src")};
+  const IsaKernels& kernels = kernels_for(isa);
+  const int team = threads_for(n, checked_threads(threads));
+  pybind11::gil_scoped_release no_gil;
+  parallel_chunks(n, team, [&](int, int64_t begin, int64_t end) { kernels.accumulate(task, begin, end); });
 }
 
 std::map<std::string, double> stream_probe_gbps(int64_t nbytes, int64_t threads, const std::string& isa) {
@@ -137,13 +173,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lightning_zoff fused CPU optimizer kernels (see lightning_zoff.ops for the documented wrappers)";
   m.def("adam_step", &zoff::adam_step, py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
         py::arg("out"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
-        py::arg("step"), py::arg("decoupled"), py::arg("maximize"), py::arg("grad_scale"), py::arg("isa"),
-        py::arg("threads"));
+        py::arg("step"), py::arg("decoupled"), py::arg("maximize"), py::arg("grad_scale"), py::arg("into"),
+        py::arg("isa"), py::arg("threads"));
   m.def("lion_step", &zoff::lion_step, py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("out"),
         py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("weight_decay"), py::arg("grad_scale"),
-        py::arg("maximize"), py::arg("isa"), py::arg("threads"));
+        py::arg("maximize"), py::arg("into"), py::arg("isa"), py::arg("threads"));
   m.def("grad_sumsq_finite", &zoff::grad_sumsq_finite, py::arg("grad"), py::arg("grad_scale"), py::arg("isa"),
         py::arg("threads"));
+  m.def("accumulate", &zoff::accumulate, py::arg("dst"), py::arg("src"), py::arg("isa"), py::arg("threads"));
   m.def("stream_probe", &zoff::stream_probe_gbps, py::arg("nbytes"), py::arg("threads"), py::arg("isa"));
   m.def("available_isas", &zoff::available_isas);
 }

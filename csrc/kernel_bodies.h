@@ -29,9 +29,9 @@ inline void adam_at(const AdamTask& t, const AdamVec<V>& c, int64_t i) {
   v = c.beta2 * v + c.one_minus_beta2 * g * g;
   const F denom = V::sqrt(v) / c.bc2_sqrt + c.eps;
   p = p + c.neg_step_size * m / denom;
-  V::store(t.exp_avg + i, m);
-  V::store(t.exp_avg_sq + i, v);
-  V::store(t.param + i, p);
+  V::store(t.exp_avg_out + i, m);
+  V::store(t.exp_avg_sq_out + i, v);
+  V::store(t.param_out + i, p);
   if constexpr (!std::is_void_v<Out>) V::store(static_cast<Out*>(t.out) + i, p);
 }
 
@@ -64,8 +64,8 @@ inline void lion_at(const LionTask& t, const LionVec<V>& c, int64_t i) {
   if (t.k.decoupled_decay) p = p * c.decay;
   p = p - c.lr * V::sign(direction);
   m = c.beta2 * m + c.one_minus_beta2 * g;
-  V::store(t.exp_avg + i, m);
-  V::store(t.param + i, p);
+  V::store(t.exp_avg_out + i, m);
+  V::store(t.param_out + i, p);
   if constexpr (!std::is_void_v<Out>) V::store(static_cast<Out*>(t.out) + i, p);
 }
 
@@ -88,6 +88,15 @@ double sumsq_typed(const SumsqTask& t, int64_t begin, int64_t end) {
   Scalar::Acc tail = Scalar::acc_zero();
   for (; i < end; ++i) Scalar::add_squares(tail, Scalar::load(grad + i) * t.grad_scale);
   return Simd::reduce(acc) + Scalar::reduce(tail);
+}
+
+template <class D, class S>
+void accumulate_typed(const AccumulateTask& t, int64_t begin, int64_t end) {
+  D* dst = static_cast<D*>(t.dst);
+  const S* src = static_cast<const S*>(t.src);
+  int64_t i = begin;
+  for (; i + Simd::kWidth <= end; i += Simd::kWidth) Simd::store(dst + i, Simd::load(dst + i) + Simd::load(src + i));
+  for (; i < end; ++i) Scalar::store(dst + i, Scalar::load(dst + i) + Scalar::load(src + i));
 }
 
 // Four independent sums, so the read is bound by memory, not by the latency of one chain of adds.
@@ -183,10 +192,27 @@ double sumsq(const SumsqTask& t, int64_t begin, int64_t end) {
   return 0.0;
 }
 
+void accumulate(const AccumulateTask& t, int64_t begin, int64_t end) {
+  const auto with_dst = [&](auto src) {
+    using S = typename decltype(src)::type;
+    switch (t.dst_dtype) {
+      case DType::kF32: return accumulate_typed<float, S>(t, begin, end);
+      case DType::kBF16: return accumulate_typed<Bf16, S>(t, begin, end);
+      case DType::kF16: return accumulate_typed<Half, S>(t, begin, end);
+    }
+  };
+  switch (t.src_dtype) {
+    case DType::kF32: return with_dst(Tag<float>{});
+    case DType::kBF16: return with_dst(Tag<Bf16>{});
+    case DType::kF16: return with_dst(Tag<Half>{});
+  }
+}
+
 extern const IsaKernels kKernels = {
     adam,
     lion,
     sumsq,
+    accumulate,
     stream_read,
     stream_copy<Simd, false>,
     stream_triad<Simd, false>,

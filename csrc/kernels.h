@@ -40,10 +40,15 @@ struct AdamConsts {
   float neg_step_size;    // -lr / (1 - beta1^step)
 };
 
+// The state is read from param/exp_avg/exp_avg_sq and the updated state written to the *_out pointers: the same
+// arrays for an update in place, others to keep the old state intact (the engine's speculative updates).
 struct AdamTask {
-  float* param;
-  float* exp_avg;
-  float* exp_avg_sq;
+  const float* param;
+  const float* exp_avg;
+  const float* exp_avg_sq;
+  float* param_out;
+  float* exp_avg_out;
+  float* exp_avg_sq_out;
   const void* grad;
   DType grad_dtype;
   void* out;  // nullptr: no 16-bit copy of the updated param
@@ -63,13 +68,23 @@ struct LionConsts {
 };
 
 struct LionTask {
-  float* param;
-  float* exp_avg;
+  const float* param;
+  const float* exp_avg;
+  float* param_out;
+  float* exp_avg_out;
   const void* grad;
   DType grad_dtype;
   void* out;
   DType out_dtype;
   LionConsts k;
+};
+
+// dst += src elementwise, in fp32, rounded to dst's dtype (what torch's dst.add_(src) computes).
+struct AccumulateTask {
+  void* dst;
+  DType dst_dtype;
+  const void* src;
+  DType src_dtype;
 };
 
 struct SumsqTask {
@@ -83,6 +98,7 @@ struct IsaKernels {
   void (*adam)(const AdamTask& task, int64_t begin, int64_t end);
   void (*lion)(const LionTask& task, int64_t begin, int64_t end);
   double (*sumsq)(const SumsqTask& task, int64_t begin, int64_t end);  // of grad * grad_scale, in double
+  void (*accumulate)(const AccumulateTask& task, int64_t begin, int64_t end);
   double (*stream_read)(const float* a, int64_t begin, int64_t end);
   void (*stream_copy)(float* a, const float* b, int64_t begin, int64_t end);
   void (*stream_triad)(float* a, const float* b, const float* c, float s, int64_t begin, int64_t end);

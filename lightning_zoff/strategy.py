@@ -57,6 +57,11 @@ class ZoffStrategy(ParallelStrategy):
             (one partition less of accelerator memory between micro-batches; restored exactly).
         cpu_threads: threads of this rank's CPU optimizer kernels; default: the cores this process may use,
             divided by the ranks on this node.
+        overlap: run the host work (summing micro-batches, the update) on a worker thread while the accelerator
+            computes: each unit's update starts speculatively as soon as its gradient lands in the window's last
+            backward and is kept when the step turns out neither clipped nor skipped (else it is redone exactly);
+            each unit's next forward waits only for its own parameters. Same bits as ``overlap=False`` (the
+            synchronous path), for 12 B/param more host memory (the spare state the speculation writes into).
         process_group_backend: default ``"cpu:gloo,cuda:nccl"`` on GPU (host tensors need gloo), ``"gloo"`` on CPU.
     """
 
@@ -78,6 +83,7 @@ class ZoffStrategy(ParallelStrategy):
         grad_accum_on: Literal["host", "accelerator"] = "host",
         cpu_threads: int | None = None,
         retain_gpu_grad_partition_until_step: bool = False,
+        overlap: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -96,6 +102,7 @@ class ZoffStrategy(ParallelStrategy):
         self.grad_accum_on = grad_accum_on
         self.cpu_threads = cpu_threads
         self.retain_gpu_grad_partition_until_step = bool(retain_gpu_grad_partition_until_step)
+        self.overlap = bool(overlap)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self.num_nodes = 1
@@ -104,6 +111,7 @@ class ZoffStrategy(ParallelStrategy):
         self._masters: dict[int, torch.Tensor] = {}
         self._in_optimizer_step = False
         self.last_step: StepOutcome | None = None
+        self.telemetry: dict[str, float] = {}
         self._timer = StepTimer(torch.device("cpu"))
 
     # -- precision: whatever the `precision=` flag built becomes a ZoffPrecision ----------------------------
@@ -241,6 +249,7 @@ class ZoffStrategy(ParallelStrategy):
                 grad_accum_dtype=_ACCUM_DTYPES[self.grad_accum_dtype],
                 accumulate_on_accelerator=self.grad_accum_on == "accelerator",
                 retain_device_sum=self.retain_gpu_grad_partition_until_step, threads=self._optimizer_threads(),
+                overlap=self.overlap,
             )
             self.engine.attach()
             self._masters = {}
@@ -253,12 +262,20 @@ class ZoffStrategy(ParallelStrategy):
         # Lightning allows logging from `optimizer_step`; its loggers keep their own cadence
         assert self.engine is not None and self.last_step is not None
         times, traffic = self._timer.take(), self.engine.take_traffic()
+        # forwards that waited for an overlapped update: that wait is exposed optimizer time, not forward time
+        gate_wait = self.engine.take_gate_wait()
+        times["forward"] = times.get("forward", 0.0) - gate_wait
+        times["exposed_optimizer"] = times.get("exposed_optimizer", 0.0) + gate_wait
         metrics = {f"zoff/{phase}_s": seconds for phase, seconds in times.items()}
         metrics |= {
+            # cpu_update_s: update kernels that finished since the last step (overlapped ones may end a step late)
             "zoff/cpu_update_s": traffic.cpu_update_s, "zoff/d2h_gb": traffic.d2h_bytes / 1e9,
             "zoff/h2d_gb": traffic.h2d_bytes / 1e9, "zoff/grad_norm": self.last_step.grad_norm,
             "zoff/skipped": float(self.last_step.skipped), "zoff/loss_scale": loss_scale,
+            "zoff/speculations_kept": float(traffic.speculations_kept),
+            "zoff/speculations_redone": float(traffic.speculations_redone),
         }
+        self.telemetry = metrics  # the last step's, for callbacks and benchmarks
         self.lightning_module.log_dict(metrics, on_step=True, on_epoch=False)
 
     def _last_step_skipped(self) -> bool:
@@ -280,7 +297,7 @@ class ZoffStrategy(ParallelStrategy):
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         assert self.engine is not None
-        self.engine.begin_backward(window_ends=self._in_optimizer_step)
+        self.engine.begin_backward(window_ends=self._in_optimizer_step, loss_scale=self.precision_plugin.loss_scale)
         with self._timer.measure("backward"):
             closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
             self.engine.after_backward()
@@ -302,7 +319,8 @@ class ZoffStrategy(ParallelStrategy):
             self._in_optimizer_step = False
         assert self.engine is not None
         precision = self.precision_plugin
-        with self._timer.measure("exposed_optimizer"):  # the accelerator waits for all of the step today
+        # with overlap this waits for the window's last gradients to land and decides; without, it also updates
+        with self._timer.measure("exposed_optimizer"):
             self.last_step = self.engine.step(optimizer, precision.take_clip_request(), precision.loss_scale)
         if precision.scaler is not None:
             precision.scaler.update(overflow=self.last_step.skipped)
@@ -316,7 +334,7 @@ class ZoffStrategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # fp32 masters after fitting; before, the accelerator's shards hold the weights. A collective.
         if self.engine is not None:
-            return self.full_state_dict()
+            return self.full_state_dict()  # waits for updates in flight
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(self.lightning_module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -330,6 +348,7 @@ class ZoffStrategy(ParallelStrategy):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The LightningModule's state dict with fp32 master weights, on every rank (a collective)."""
         assert self.engine is not None
+        self.engine.wait_idle()
         return full_state_dict(self.lightning_module, self.engine)
 
     def process_dataloader(self, dataloader: Any) -> Any:
@@ -372,6 +391,8 @@ class ZoffStrategy(ParallelStrategy):
 
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
+        if self.engine is not None:
+            self.engine.wait_idle()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()

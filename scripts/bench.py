@@ -30,7 +30,15 @@ MODELS = {
     "tiny": dict(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64, bias=False),  # CPU smoke test
     "small": dict(vocab_size=32000, block_size=512, n_layer=4, n_head=8, n_embd=512, bias=False),
 }
-RUNS = ("gpu_only", "deepspeed_zero3_offload", "fsdp2_cpu_offload", "zoff", "zoff_no_offload")
+# zoff variants: the synchronous engine, and where the sum of an accumulation window lives (issue 4's question)
+ZOFF_VARIANTS = {
+    "zoff": {},
+    "zoff_sync": dict(overlap=False),
+    "zoff_accum_host": dict(grad_accum_on="host"),
+    "zoff_accum_gpu": dict(grad_accum_on="accelerator"),
+    "zoff_accum_gpu_retained": dict(grad_accum_on="accelerator", retain_gpu_grad_partition_until_step=True),
+}
+RUNS = ("gpu_only", "deepspeed_zero3_offload", "fsdp2_cpu_offload", *ZOFF_VARIANTS, "zoff_no_offload")
 
 
 def build_run(name: str, cfg: dict):
@@ -73,8 +81,12 @@ def build_run(name: str, cfg: dict):
     if name == "fsdp2_cpu_offload":
         # FSDP2 casts to bf16 itself (MixedPrecisionPolicy); "32-true" keeps Lightning's plugin out of the way
         return FSDP2OffloadGPT(**cfg, lr=1e-4), ModelParallelStrategy(), "32-true"
+    if name in ZOFF_VARIANTS:
+        from lightning_zoff import ZoffStrategy
+
+        return GPTModule(**cfg, lr=1e-4), ZoffStrategy(**ZOFF_VARIANTS[name]), "bf16-mixed"
     # gpu_only uses torch's default (foreach) AdamW on the GPU: Lightning refuses clipping with the fused one
-    strategy = {"gpu_only": "auto", "zoff": "zoff", "zoff_no_offload": "zoff_no_offload"}[name]
+    strategy = {"gpu_only": "auto", "zoff_no_offload": "zoff_no_offload"}[name]
     return GPTModule(**cfg, lr=1e-4), strategy, "bf16-mixed"
 
 
@@ -88,9 +100,12 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
     cfg = MODELS[model_name]
 
     class Timer(pl.Callback):
+        """Window wall time; the GPU memory after each non-final micro-batch's backward and the window's peak."""
+
         def __init__(self):
             self.step_start, self.opt_start = None, None
-            self.steps, self.optimizer = [], []
+            self.steps, self.optimizer, self.zoff = [], [], []
+            self.after_backward, self.window_peak = [], []
 
         def _now(self):
             if torch.cuda.is_available():
@@ -100,6 +115,13 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if self.step_start is None:
                 self.step_start = self._now()
+                if torch.cuda.is_available():
+                    torch.cuda.reset_peak_memory_stats()
+
+        def on_after_backward(self, trainer, pl_module):
+            if torch.cuda.is_available() and self.opt_start is None:
+                torch.cuda.synchronize()
+                self.after_backward.append(torch.cuda.memory_allocated() / 1e9)
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             self.opt_start = self._now()
@@ -110,6 +132,9 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
             end = self._now()
             self.steps.append(end - self.step_start)
             self.optimizer.append(end - self.opt_start)
+            self.zoff.append(dict(getattr(trainer.strategy, "telemetry", {})))
+            if torch.cuda.is_available():
+                self.window_peak.append(torch.cuda.max_memory_allocated() / 1e9)
             self.step_start, self.opt_start = None, None
 
     pl.seed_everything(0)
@@ -125,10 +150,16 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
                          enable_model_summary=False, limit_val_batches=0)
     trainer.fit(module, datamodule=data)
     step_s = statistics.median(timer.steps[warmup:])
+    zoff = {key: statistics.median(t[key] for t in timer.zoff[warmup:]) for key in timer.zoff[-1]} if timer.zoff[-1] else {}
+    # zoff's own count includes the forwards that waited for overlapped updates; the callback's brackets only
+    # the step call, which is the whole update for the others
+    exposed = zoff.get("zoff/exposed_optimizer_s", statistics.median(timer.optimizer[warmup:]))
     return {
         "name": name, "accumulate": accumulate, "step_s_median": step_s,
         "tokens_per_s": batch * accumulate * cfg["block_size"] / step_s,
-        "exposed_optimizer_s": statistics.median(timer.optimizer[warmup:]),
+        "exposed_optimizer_s": exposed, "telemetry_median": zoff,
+        "gpu_gb_after_micro_backward": statistics.median(timer.after_backward) if timer.after_backward else None,
+        "window_peak_gpu_gb": statistics.median(timer.window_peak[warmup:]) if timer.window_peak else None,
         "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0,
         "host_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
         "params": params, "steps": timer.steps, "model": model_name,
@@ -154,6 +185,8 @@ def main() -> None:
     import torch
 
     machine = f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'} x{torch.cuda.device_count()}, {platform.processor() or platform.machine()}, host {socket.gethostname()}"
+    out = args.out or Path("bench/results") / f"{datetime.date.today()}_{socket.gethostname()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     runs = []
     for accumulate in args.accumulate:
         for name in args.runs:
@@ -166,6 +199,7 @@ def main() -> None:
                 runs.append({"name": name, "accumulate": accumulate, "error": proc.stderr[-2000:]})
                 continue
             runs.append(json.loads(lines[-1][len("RESULT "):]))
+            out.write_text(json.dumps({"machine": machine, "runs": runs}, indent=1))  # a timeout keeps what ran
             r = runs[-1]
             print(f"{name:>18} acc={accumulate} step={r['step_s_median']:.3f}s tok/s={r['tokens_per_s']:.0f}"
                   f" exposed_opt={r['exposed_optimizer_s']:.3f}s peak_gpu={r['peak_gpu_gb']:.1f}GB"
@@ -181,8 +215,6 @@ def main() -> None:
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
         print(f"{r['name']:>18} {r['accumulate']:>4} {r['step_s_median']:>8.3f} {r['tokens_per_s']:>10.0f}"
               f" {r['exposed_optimizer_s']:>14.3f} {r['peak_gpu_gb']:>12.1f} {r['host_gb']:>8.1f} {ratio:>12}")
-    out = args.out or Path("bench/results") / f"{datetime.date.today()}_{socket.gethostname()}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine, "runs": runs}, indent=1))
     print(f"wrote {out}")
 

@@ -255,6 +255,59 @@ def test_isas_and_thread_counts_agree_bitwise(isa):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rule", ["adamw", "lion"])
+@pytest.mark.parametrize("n", SIZES)
+def test_update_into_other_tensors_equals_in_place(isa, rule, n):
+    # the engine's speculative updates write the new state elsewhere and must equal the in-place update bit for bit
+    gen = _gen("into", isa, rule, n)
+    p, m, v = torch.randn(n, generator=gen), torch.randn(n, generator=gen), torch.rand(n, generator=gen)
+    grad = _grad(n, torch.bfloat16, 1.0, gen)
+    state = (p, m) if rule == "lion" else (p, m, v)
+    before = [t.clone() for t in state]
+    inplace = [t.clone() for t in state]
+    into = [torch.full_like(t, math.nan) for t in state]
+    out_inplace, out_into = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    if rule == "lion":
+        ops.lion_step(*inplace[:1], grad, inplace[1], **LION, grad_scale=0.5, out=out_inplace, isa=isa, threads=THREADS)
+        ops.lion_step(p, grad, m, **LION, grad_scale=0.5, out=out_into, into=tuple(into), isa=isa, threads=THREADS)
+    else:
+        kwargs = dict(_adam_kwargs(ADAM_CASES["adamw"]), step=4, grad_scale=0.5, isa=isa, threads=THREADS)
+        ops.adam_step(inplace[0], grad, inplace[1], inplace[2], out=out_inplace, **kwargs)
+        ops.adam_step(p, grad, m, v, out=out_into, into=tuple(into), **kwargs)
+    for old, now in zip(before, state):
+        assert torch.equal(old, now)  # the inputs are untouched
+    for a, b in zip(inplace, into):
+        assert torch.equal(a, b)
+    assert torch.equal(out_inplace.view(torch.int16), out_into.view(torch.int16))
+    assert not torch.equal(inplace[0], before[0])  # it did update
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dst_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", SIZES)
+def test_accumulate_equals_torch_add(isa, dst_dtype, src_dtype, n):
+    gen = _gen("accumulate", isa, dst_dtype, src_dtype, n)
+    dst = (torch.randn(n, generator=gen) * 100).to(dst_dtype)
+    src = (torch.randn(n, generator=gen) * 100).to(src_dtype)
+    if n > 3:
+        src[1], src[2] = math.inf, math.nan  # non-finite values pass through as torch's add gives them
+    expected = dst.clone().add_(src)
+    ops.accumulate(dst, src, isa=isa, threads=THREADS)
+    assert torch.equal(dst.isnan(), expected.isnan())
+    keep = ~expected.isnan()
+    assert torch.equal(dst[keep], expected[keep])
+
+
+def test_accumulate_rejects_mismatched_sizes():
+    with pytest.raises(ValueError, match="src"):
+        ops.accumulate(torch.zeros(8), torch.zeros(9))
+    with pytest.raises(ValueError, match="into"):
+        ops.adam_step(torch.zeros(8), torch.zeros(8), torch.zeros(8), torch.zeros(8), lr=1e-3, beta1=0.9,
+                      beta2=0.999, eps=1e-8, weight_decay=0.0, step=1, decoupled=True, into=(torch.zeros(8),))
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_empty_tensors_are_a_no_op(isa):
     e = torch.empty(0)
     ops.adam_step(e, e, e, e, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=1, decoupled=True,

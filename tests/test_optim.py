@@ -140,7 +140,7 @@ def test_accelerator_path_agrees_with_the_kernel(rule_name):
         grad = torch.randn(4099, generator=g).to(torch.bfloat16)
         second_a = None if rule is UpdateRule.LION else a[2]
         second_b = None if rule is UpdateRule.LION else b[2]
-        _cpu_update(rule, hp, step, a[0], grad, a[1], second_a, 0.5, out_a, None)
+        _cpu_update(rule, hp, step, a[0], grad, a[1], second_a, 0.5, out_a, None, None)
         _torch_update(rule, hp, step, b[0], grad, b[1], second_b, 0.5, out_b)
     torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-6)
     assert (out_a.float() - out_b.float()).abs().max() <= 2 ** -7 * a[0].abs().max()

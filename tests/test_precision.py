@@ -36,6 +36,7 @@ class StateWatch(pl.Callback):
 
     def _state(self, trainer):
         engine = trainer.strategy.engine
+        engine.wait_idle()  # overlapped updates finish in the background
         tensors = [t.clone() for u in engine.units for t in (u.master, u.exp_avg, u.exp_avg_sq)]
         tensors += [p.to_local().detach().clone() for p in trainer.lightning_module.parameters()]
         steps = [seg.step for u in engine.units for seg in u.segments]
@@ -148,6 +149,7 @@ class ReadWindowGradient(pl.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         engine = trainer.strategy.engine
+        engine.wait_idle()  # the gradient lands in the background
         unit = engine.units[0]
         grad = engine._window_grad(unit)[: unit.layout.slots[0].numel].double()
         torch.save(grad, self.out / f"grad{trainer.global_rank}.pt")

@@ -123,6 +123,7 @@ class Probe(Callback):
             "telemetry": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("zoff/")},
         }
         if engine is not None:
+            engine.wait_idle()
             info["memory"] = engine.memory_report()
             info["state_devices"] = sorted({str(t.device) for u in engine.units for t in u.host_tensors})
             info["state_dtypes"] = sorted({str(t.dtype) for u in engine.units for t in (u.master, u.exp_avg, u.exp_avg_sq) if t is not None})

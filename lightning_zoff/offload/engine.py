@@ -3,24 +3,32 @@
 1. Backward. FSDP2 reduce-scatters each unit's gradients into one flat shard as a plain sum over ranks (divide
    factor 1: the 1/world is folded into the step's scale) and calls `_on_unit_reduced` on the copy stream. We copy
    the shard, still in the parameter dtype (2 B/param in 16-bit modes), into the unit's pinned `grad_staging`
-   without blocking, and record an event.
-2. End of each backward (`after_backward`). Wait for those copies and drop FSDP2's `.grad` views, so no
-   gradient stays on the accelerator between micro-batches. When more micro-batches follow, add the shard into
-   the unit's fp32 host `grad_sum`; a window of one micro-batch leaves it in `grad_staging`, which the kernel
-   reads directly (promoting 16 to 32 bits is exact, so both give the same bits). With
-   `accumulate_on_accelerator`, the hook instead adds each shard into an fp32 buffer on the accelerator and
-   the host receives the sum once, at the window's end (or after every micro-batch, freeing the buffer in
-   between, unless `retain_device_sum`). The sums are the same adds in the same order: the same bits.
-3. Step (`step`). The global norm of the averaged gradient (per-rank sum of squares, all-reduced) decides:
-   skip when it is not finite, else one combined scale 1/world x clip factor goes into the kernel. One fused
-   pass per run of parameters reads the gradient, updates the fp32 master and moments and writes the 16-bit
-   copy into the pinned `param_staging`, which goes host-to-device into FSDP2's sharded parameters, where the
-   next all-gather reads it.
+   without blocking, record an event and hand the unit to the host worker (`_land`). With
+   `accumulate_on_accelerator`, the hook instead adds each shard into an fp32 buffer on the accelerator and the
+   host receives the sum once, at the window's end (or after every micro-batch, freeing the buffer in between,
+   unless `retain_device_sum`).
+2. Landing (`_land`, on the worker while backward goes on). Wait for the copy; add the shard into the unit's fp32
+   host `grad_sum` when the window has more micro-batches (a window of one leaves it in `grad_staging`, which the
+   kernel reads directly: promoting 16 to 32 bits is exact, so both give the same bits). At the window's end, take
+   the unit's sum of squares and, with `overlap`, queue a speculative update (`_speculate`): the fused kernel
+   runs on the unit as if the step were neither clipped nor skipped, writing the new master and moments into the
+   unit's `spare` buffers and the 16-bit copy into `param_staging`. The committed state is never written.
+3. Decision (`step`, after backward). The global norm of the averaged gradient (the units' sums of squares in unit
+   order, all-reduced) decides: skip when it is not finite, else one combined scale 1/world x clip factor.
+4. Finalize (`_finalize`, per unit, in the order the next forward needs them). Skip: drop the speculation.
+   Otherwise, when the speculation was computed with this very scale and these hyperparameters it is the result;
+   else the kernel runs again from the untouched state. Commit by swapping `spare` with the state, then copy
+   the 16-bit shard host-to-device on a side stream into FSDP2's sharded parameters. The unit's next forward
+   waits for exactly that copy (`_gate`), nothing else does.
+Without `overlap` the same functions run inline: landing right after backward, the update in place at the step.
+The kernels, their inputs and the order of every sum are the same, so both paths give the same bits.
 """
 
 from __future__ import annotations
 
 import math
+import threading
+from contextlib import nullcontext
 import time
 from dataclasses import dataclass, field
 
@@ -31,8 +39,13 @@ from torch import nn
 from lightning_zoff import ops
 from lightning_zoff.offload.buffers import host_empty
 from lightning_zoff.offload.layout import ParamSlot, UnitLayout, unit_layout
+from lightning_zoff.offload.worker import HostWorker
 from lightning_zoff.optim.rules import GroupHyperparams, UpdateRule, update_rule_for
 from lightning_zoff.optim.update import update
+
+# Worker priorities: landings first (the step waits for every sum of squares), then finalizing (the next forward
+# waits), speculation last (it only fills idle time).
+_LAND, _FINALIZE, _SPECULATE = 0, 1, 2
 
 
 @dataclass
@@ -45,33 +58,53 @@ class Segment:
     step: int = 0  # optimizer steps taken (torch keeps this per parameter; a segment steps as one)
 
 
-@dataclass
+@dataclass(frozen=True)
+class UpdateKey:
+    """What an update's result depends on besides the state and the gradient."""
+
+    scale: float
+    hyper: tuple[GroupHyperparams, ...]
+    steps: tuple[int, ...]
+
+
+@dataclass(eq=False)  # compared by identity
 class HostUnit:
     layout: UnitLayout
     segments: list[Segment]
+    gaps: list[tuple[int, int]]  # runs of the shard no segment covers (params outside the optimizer)
     updated_slots: list[ParamSlot]  # the slots in some segment: only they change and go back to the accelerator
     master: torch.Tensor  # fp32
     exp_avg: torch.Tensor  # fp32
     exp_avg_sq: torch.Tensor | None  # fp32; Lion has no second moment
+    spare: tuple[torch.Tensor, ...] | None  # overlap: buffers the next (master, exp_avg[, exp_avg_sq]) goes into
     grad_sum: torch.Tensor  # sum of this window's micro-batch gradients (a sum over ranks too); fp32 by default
     grad_staging: torch.Tensor  # param dtype, pinned: lands the reduced shard
-    param_staging: torch.Tensor  # param dtype, pinned: leaves for the accelerator
+    param_staging: torch.Tensor  # param dtype, pinned: leaves for the accelerator (the master itself in fp32)
     grad_copied: torch.cuda.Event | None = None
     params_copied: torch.cuda.Event | None = None
-    grad_arrived: bool = False  # in this backward
+    staging_free: threading.Event = field(default_factory=threading.Event)  # grad_staging may be overwritten
+    in_flight: bool = False  # an update is decided and not yet on its way to the accelerator
     has_grad: bool = False  # in this accumulation window
     grad_in_staging: bool = False  # the window's whole gradient is still in grad_staging
+    sumsq: float | None = None  # of the window's gradient, once complete on the host
+    speculation: UpdateKey | None = None  # what the state in `spare` was computed with
     device_sum: torch.Tensor | None = None  # the window's sum on the accelerator (accumulate_on_accelerator)
     host_tensors: list[torch.Tensor] = field(default_factory=list)
 
 
-@dataclass
 class Traffic:
-    """What one optimizer step moved and cost on the host side (summed over its window)."""
+    """What the optimizer steps moved and cost on the host side since the last `take_traffic`."""
 
-    d2h_bytes: int = 0
-    h2d_bytes: int = 0
-    cpu_update_s: float = 0.0
+    def __init__(self) -> None:
+        self.d2h_bytes = self.h2d_bytes = 0
+        self.cpu_update_s = 0.0  # update kernels, speculative ones included
+        self.speculations_kept = self.speculations_redone = 0
+        self._lock = threading.Lock()  # the worker and the training thread both count
+
+    def add(self, **amounts: float) -> None:
+        with self._lock:
+            for name, amount in amounts.items():
+                setattr(self, name, getattr(self, name) + amount)
 
 
 @dataclass(frozen=True)
@@ -81,11 +114,18 @@ class StepOutcome:
     skipped: bool  # non-finite gradient: nothing changed
 
 
-def _record_event(device: torch.device) -> torch.cuda.Event | None:
-    if device.type != "cuda":
+@dataclass(frozen=True)
+class Decision:
+    skipped: bool
+    scale: float
+    hyper: tuple[GroupHyperparams, ...]
+
+
+def _record_event(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    if stream is None:
         return None
     event = torch.cuda.Event()
-    event.record()
+    event.record(stream)
     return event
 
 
@@ -105,13 +145,18 @@ class OffloadEngine:
         grad_accum_dtype: torch.dtype | None = None,
         accumulate_on_accelerator: bool = False,
         retain_device_sum: bool = False,
+        overlap: bool = True,
     ) -> None:
         self.grad_accum_dtype = grad_accum_dtype  # None: fp32
         self.accumulate_on_accelerator = accumulate_on_accelerator
         self.retain_device_sum = retain_device_sum
+        self.overlap = overlap and state_device.type == "cpu"  # speculation needs the kernels' `into`
         self.window_ends = False
+        self.loss_scale = 1.0
         self.traffic = Traffic()
+        self.gate_wait_s = 0.0  # time forwards waited for this rank's updates (training thread only)
         self.rule = update_rule_for(optimizer)
+        self.optimizer = optimizer
         self.threads = threads  # CPU threads of the kernels; None: torch.get_num_threads()
         self.world_size = world_size
         self.state_device = state_device
@@ -133,18 +178,28 @@ class OffloadEngine:
                 " only optimize the LightningModule's own parameters, passed after sharding (configure_optimizers)."
             )
         self.param_device = self.units[0].layout.slots[0].local.device if self.units else state_device
-        self.copy_stream = torch.cuda.Stream(self.param_device) if self.param_device.type == "cuda" else None
+        on_cuda = self.param_device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.param_device) if on_cuda else None  # D2H, FSDP2's hook runs here
+        self.h2d_stream = torch.cuda.Stream(self.param_device) if on_cuda else None
+        self.worker = HostWorker() if self.overlap else None
+        self._window = 0  # accumulation windows decided so far
+        self._landings = 0  # landings handed to the worker and not yet done
+        self._landings_lock = threading.Lock()  # counted up in backward's thread, down in the worker
+        self._landed_order: list[HostUnit] = []  # this backward's units, in the order their gradients arrived
+        self.speculations = {"kept": 0, "redone": 0}  # since the start, for tests and logs
+        self.await_speculation = False  # decide only after every speculation ran: makes tests cover keep and redo
 
     def _host_unit(
         self, layout: UnitLayout, masters: dict[int, torch.Tensor], group_of: dict[int, int], pin: bool
     ) -> HostUnit:
         n, dev = layout.flat_numel, self.state_device
         param_dtype = layout.slots[0].local.dtype
-        master, exp_avg = (torch.zeros(n, dtype=torch.float32, device=dev) for _ in range(2))
-        grad_sum = host_empty(n, self.grad_accum_dtype or torch.float32, dev, pin).zero_()
-        exp_avg_sq = None if self.rule is UpdateRule.LION else torch.zeros(n, dtype=torch.float32, device=dev)
+        state = [torch.zeros(n, dtype=torch.float32, device=dev) for _ in range(2 if self.rule is UpdateRule.LION else 3)]
         for slot in layout.slots:
-            master[slot.offset : slot.offset + slot.numel].copy_(masters[id(slot.param)].reshape(-1))
+            state[0][slot.offset : slot.offset + slot.numel].copy_(masters[id(slot.param)].reshape(-1))
+        # the spare starts as a copy, so the runs no update writes (gaps, padding) agree in both
+        spare = tuple(t.clone() for t in state) if self.overlap else None
+        grad_sum = host_empty(n, self.grad_accum_dtype or torch.float32, dev, pin).zero_()
         segments: list[Segment] = []
         updated_slots = []
         for slot in layout.slots:
@@ -157,29 +212,42 @@ class OffloadEngine:
                 segments[-1].end = end
             else:
                 segments.append(Segment(group, slot.offset, end))
+        starts = [0] + [s.end for s in segments]
+        ends = [s.start for s in segments] + [n]
+        gaps = [(s, e) for s, e in zip(starts, ends) if s < e]
         grad_staging = host_empty(n, param_dtype, dev, pin)
         if param_dtype == torch.float32:
-            param_staging = master  # fp32 shards (32-true) go back straight from the master
+            param_staging = state[0]  # fp32 shards (32-true) go back straight from the master
         else:
             param_staging = host_empty(n, param_dtype, dev, pin)
-            param_staging.copy_(master)
-        tensors = [master, exp_avg, grad_sum, grad_staging]
-        tensors += [t for t in (exp_avg_sq, param_staging) if t is not None and t is not master]
-        return HostUnit(layout, segments, updated_slots, master, exp_avg, exp_avg_sq, grad_sum, grad_staging, param_staging,
-                        host_tensors=tensors)
+            param_staging.copy_(state[0])
+        tensors = [*state, *(spare or ()), grad_sum, grad_staging]
+        tensors += [] if param_staging is state[0] else [param_staging]
+        unit = HostUnit(layout, segments, gaps, updated_slots, state[0], state[1], state[2] if len(state) == 3 else None,
+                        spare, grad_sum, grad_staging, param_staging, host_tensors=tensors)
+        unit.staging_free.set()
+        return unit
+
+    def _state(self, unit: HostUnit) -> tuple[torch.Tensor, ...]:
+        return (unit.master, unit.exp_avg) if unit.exp_avg_sq is None else (unit.master, unit.exp_avg, unit.exp_avg_sq)
 
     # -- backward -------------------------------------------------------------------------------------------
 
     def attach(self) -> None:
-        """Register the reduce hook on every unit; FSDP2 then sums (not averages) gradients over ranks."""
+        """Register the reduce hook on every unit (FSDP2 then sums, not averages, gradients over ranks) and the gate
+        that holds each unit's forward until its update is on the accelerator."""
         for unit, module in zip(self.units, self._modules):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # gloo has no AVG; the 1/world goes into the step
             module.set_all_reduce_hook(lambda flat, unit=unit: self._on_unit_reduced(unit, flat), stream=self.copy_stream)
+            # prepend: before FSDP2's own pre-forward, whose all-gather reads the sharded parameters
+            module.register_forward_pre_hook(lambda *_, unit=unit, module=module: self._gate(unit, module), prepend=True)
 
-    def begin_backward(self, window_ends: bool) -> None:
+    def begin_backward(self, window_ends: bool, loss_scale: float = 1.0) -> None:
         """Called before each backward; `window_ends`: it is the window's last (Lightning steps right after)."""
         self.window_ends = window_ends
+        self.loss_scale = loss_scale
+        self._landed_order = []
 
     def _on_unit_reduced(self, unit: HostUnit, flat_grad: torch.Tensor) -> None:
         # Runs inside FSDP2's backward, on the copy stream; FSDP2's later use of `flat_grad` is on this stream too.
@@ -188,115 +256,233 @@ class OffloadEngine:
                 f"zoff: unit {unit.layout.name!r} reduced {flat_grad.numel()} gradient elements, expected"
                 f" {unit.layout.flat_numel}; this torch version lays out FSDP2 shards differently."
             )
-        unit.grad_arrived = True
-        if not self.accumulate_on_accelerator or (self.window_ends and not unit.has_grad):
+        unit.staging_free.wait()  # the worker still reads the previous micro-batch's shard (rare: it keeps up)
+        unit.staging_free.clear()
+        window_ends = self.window_ends
+        if not self.accumulate_on_accelerator or (window_ends and not unit.has_grad):
             # host accumulation, or a window of one micro-batch: the 16-bit shard goes down as it is
             unit.grad_staging.copy_(flat_grad, non_blocking=True)
-            self.traffic.d2h_bytes += unit.grad_staging.nbytes
+            self.traffic.add(d2h_bytes=unit.grad_staging.nbytes)
         else:
-            self._accumulate_on_accelerator(unit, flat_grad)
-        unit.grad_copied = _record_event(self.param_device)
+            self._accumulate_on_accelerator(unit, flat_grad, window_ends)
+        unit.grad_copied = _record_event(self.copy_stream)
+        self._landed_order.append(unit)
+        if self.worker is not None:
+            with self._landings_lock:
+                self._landings += 1
+            self.worker.submit(_LAND, lambda: self._land(unit, window_ends))
 
-    def _accumulate_on_accelerator(self, unit: HostUnit, flat_grad: torch.Tensor) -> None:
+    def _accumulate_on_accelerator(self, unit: HostUnit, flat_grad: torch.Tensor, window_ends: bool) -> None:
         # The window's sum lives in an accelerator buffer; the host sees it once, at the window's end. Unless
         # retained, the buffer goes down to the host after every micro-batch and comes back (exactly) for the next.
         if unit.device_sum is None and unit.has_grad:
             unit.device_sum = unit.grad_sum.to(self.param_device, non_blocking=True, copy=True)
-            self.traffic.h2d_bytes += unit.grad_sum.nbytes
+            self.traffic.add(h2d_bytes=unit.grad_sum.nbytes)
         if unit.device_sum is None:
             unit.device_sum = flat_grad.to(unit.grad_sum.dtype, copy=True)
         else:
             unit.device_sum.add_(flat_grad)
-        if self.window_ends or not self.retain_device_sum:
+        if window_ends or not self.retain_device_sum:
             unit.grad_sum.copy_(unit.device_sum, non_blocking=True)
-            self.traffic.d2h_bytes += unit.grad_sum.nbytes
+            self.traffic.add(d2h_bytes=unit.grad_sum.nbytes)
 
     @torch.no_grad()
     def after_backward(self) -> None:
-        """Wait for this backward's copies, fold them into the window's sum, free the accelerator's gradients."""
+        """Free the accelerator's gradients (the copies are ordered before any reuse of their memory by FSDP2's
+        end of backward); without overlap, land every unit now."""
+        if self.worker is None:
+            for unit in self._landed_order:
+                self._land(unit, self.window_ends)
         for unit in self.units:
-            if unit.grad_arrived:
-                if unit.grad_copied is not None:
-                    unit.grad_copied.synchronize()
-                if self.accumulate_on_accelerator and unit.device_sum is not None:
-                    if self.window_ends or not self.retain_device_sum:
-                        unit.device_sum = None  # the host holds the sum now
-                elif unit.has_grad:
-                    if unit.grad_in_staging:  # the staged gradient was just overwritten: refuse, never guess
-                        raise RuntimeError("zoff: a second backward ran after the window's last one, before the step")
-                    unit.grad_sum.add_(unit.grad_staging)
-                elif self.window_ends:
-                    unit.grad_in_staging = True
-                else:
-                    unit.grad_sum.copy_(unit.grad_staging)
-                unit.has_grad, unit.grad_arrived = True, False
             for slot in unit.layout.slots:
                 slot.param.grad = None
+
+    @torch.no_grad()
+    def _land(self, unit: HostUnit, window_ends: bool) -> None:
+        """Fold the arrived shard into the window's sum; at the window's end take its sum of squares."""
+        try:
+            if unit.grad_copied is not None:
+                unit.grad_copied.synchronize()
+            if self.accumulate_on_accelerator and unit.device_sum is not None:
+                if window_ends or not self.retain_device_sum:
+                    unit.device_sum = None  # the host holds the sum now
+            elif unit.has_grad:
+                if unit.grad_in_staging:  # the staged gradient was just overwritten: refuse, never guess
+                    raise RuntimeError("zoff: a second backward ran after the window's last one, before the step")
+                self._accumulate(unit.grad_sum, unit.grad_staging)
+            elif window_ends:
+                unit.grad_in_staging = True
+            else:
+                unit.grad_sum.copy_(unit.grad_staging)
+            unit.has_grad = True
+            if window_ends:
+                unit.sumsq = self._unit_sumsq(unit)
+                if self.worker is not None:
+                    window, scale = self._window, 1.0 / (self.world_size * self.loss_scale)
+                    self.worker.submit(_SPECULATE, lambda: self._speculate(unit, window, scale))
+        finally:
+            if not unit.grad_in_staging:
+                unit.staging_free.set()
+            if self.worker is not None:
+                with self._landings_lock:
+                    self._landings -= 1
+                self.worker.notify()
+
+    def _accumulate(self, total: torch.Tensor, shard: torch.Tensor) -> None:
+        if total.device.type == "cpu":
+            ops.accumulate(total, shard, threads=self.threads)
+        else:
+            total.add_(shard)
 
     @staticmethod
     def _window_grad(unit: HostUnit) -> torch.Tensor:
         return unit.grad_staging if unit.grad_in_staging else unit.grad_sum
 
-    # -- step -----------------------------------------------------------------------------------------------
+    def _unit_sumsq(self, unit: HostUnit) -> float:
+        grad = self._window_grad(unit)
+        if grad.device.type == "cpu":
+            return ops.grad_sumsq_finite(grad, threads=self.threads)[0]
+        return torch.linalg.vector_norm(grad, dtype=torch.float32).double().item() ** 2
 
-    def _global_grad_sumsq(self) -> float:
-        sq = torch.zeros((), dtype=torch.float64)
-        for unit in self.units:
-            if not unit.has_grad:
-                continue
-            grad = self._window_grad(unit)
-            if grad.device.type == "cpu":
-                sq += ops.grad_sumsq_finite(grad, threads=self.threads)[0]
-            else:
-                sq += torch.linalg.vector_norm(grad, dtype=torch.float32).double().cpu() ** 2
-        if dist.is_initialized() and self.world_size > 1:
-            dist.all_reduce(sq)  # a CPU tensor: gloo, also under "cpu:gloo,cuda:nccl"
-        return sq.item()
+    # -- step -----------------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer, max_norm: float | None, loss_scale: float = 1.0) -> StepOutcome:
-        """Update every unit that received a gradient in this window; every rank reaches the same decision.
+        """Decide this window's step (every rank reaches the same decision) and finalize every unit that received
+        a gradient in it; with `overlap` the finalizing runs on the worker and this returns at once.
 
         The host gradients are sums over ranks of the loss-scaled gradients: the true norm divides by both."""
-        norm = math.sqrt(self._global_grad_sumsq()) / (self.world_size * loss_scale)
-        if not math.isfinite(norm):  # inf or NaN anywhere (fp16 overflow included): change nothing
-            self._close_window()
-            return StepOutcome(norm, 1.0, skipped=True)
+        if self.worker is not None:
+            self.worker.wait_until(lambda: self._landings == 0)
+            if self.await_speculation:
+                self.worker.wait_idle()
+        units = [u for u in self.units if u.has_grad]
+        sq = torch.zeros((), dtype=torch.float64)
+        for unit in units:  # in unit order on every path, so the sum has the same bits
+            if unit.sumsq is None:  # a unit whose gradient came only in earlier micro-batches
+                unit.sumsq = self._unit_sumsq(unit)
+            sq += unit.sumsq
+        if dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(sq)  # a CPU tensor: gloo, also under "cpu:gloo,cuda:nccl"
+        norm = math.sqrt(sq.item()) / (self.world_size * loss_scale)
+        skipped = not math.isfinite(norm)  # inf or NaN anywhere (fp16 overflow included): change nothing
         clip_coef = 1.0
-        if max_norm is not None and max_norm > 0:
+        if not skipped and max_norm is not None and max_norm > 0:
             clip_coef = min(1.0, max_norm / (norm + 1e-6))
-        scale = clip_coef / (self.world_size * loss_scale)
-        hyper = [GroupHyperparams.of(g) for g in optimizer.param_groups]
+        decision = Decision(skipped, clip_coef / (self.world_size * loss_scale),
+                            tuple(GroupHyperparams.of(g) for g in optimizer.param_groups))
+        self._window += 1  # speculations of this window are now stale
+        order = self._landed_order[::-1] + [u for u in units if u not in self._landed_order]
+        if not skipped:  # counted here, so each step reports its own copies even when they end during the next
+            self.traffic.add(h2d_bytes=sum(slot.local.nbytes for unit in units for slot in unit.updated_slots))
+        for unit in order:  # the next forward needs them about in the reverse of backward's order
+            if unit.has_grad:
+                unit.in_flight = True
+                if self.worker is not None:
+                    self.worker.submit(_FINALIZE, lambda unit=unit: self._finalize(unit, decision))
+                else:
+                    self._finalize(unit, decision)
+        return StepOutcome(norm, clip_coef, skipped)
+
+    def _key(self, unit: HostUnit, scale: float, hyper: tuple[GroupHyperparams, ...]) -> UpdateKey:
+        return UpdateKey(scale, tuple(hyper[s.group_index] for s in unit.segments), tuple(s.step for s in unit.segments))
+
+    @torch.no_grad()
+    def _speculate(self, unit: HostUnit, window: int, scale: float) -> None:
+        if window != self._window or not unit.has_grad:
+            return  # decided already: finalizing does the exact work
+        hyper = tuple(GroupHyperparams.of(g) for g in self.optimizer.param_groups)
+        self._update(unit, scale, hyper)
+        unit.speculation = self._key(unit, scale, hyper)
+
+    @torch.no_grad()
+    def _finalize(self, unit: HostUnit, decision: Decision) -> None:
+        try:
+            if not decision.skipped:
+                if unit.speculation == self._key(unit, decision.scale, decision.hyper):
+                    self.traffic.add(speculations_kept=1)
+                    self.speculations["kept"] += 1
+                else:
+                    if unit.speculation is not None:
+                        self.traffic.add(speculations_redone=1)
+                        self.speculations["redone"] += 1
+                    self._update(unit, decision.scale, decision.hyper)
+                self._commit(unit)
+        finally:
+            unit.speculation, unit.sumsq = None, None
+            unit.has_grad = unit.grad_in_staging = False
+            unit.staging_free.set()
+            unit.in_flight = False
+
+    def _update(self, unit: HostUnit, scale: float, hyper: tuple[GroupHyperparams, ...]) -> None:
+        """Run the kernel over every segment: into `spare` with overlap, in place without."""
+        if unit.params_copied is not None:
+            unit.params_copied.synchronize()  # param_staging still feeds the last step's copy
+        grad, state = self._window_grad(unit), self._state(unit)
         start = time.perf_counter()
-        for unit in self.units:
-            if not unit.has_grad:
-                continue  # no gradient in this window: like torch, leave parameter and state alone
-            if unit.params_copied is not None:
-                unit.params_copied.synchronize()  # param_staging still feeds last step's copy
-            grad = self._window_grad(unit)
-            for seg in unit.segments:
-                seg.step += 1
-                s, e = seg.start, seg.end
-                update(self.rule, hyper[seg.group_index], seg.step, unit.master[s:e], grad[s:e], unit.exp_avg[s:e],
-                       None if unit.exp_avg_sq is None else unit.exp_avg_sq[s:e],
-                       grad_scale=scale, out=None if unit.param_staging is unit.master else unit.param_staging[s:e],
-                       threads=self.threads)
+        for seg in unit.segments:
+            s, e = seg.start, seg.end
+            into = None if unit.spare is None else tuple(t[s:e] for t in unit.spare)
+            update(self.rule, hyper[seg.group_index], seg.step + 1, state[0][s:e], grad[s:e], state[1][s:e],
+                   None if len(state) == 2 else state[2][s:e], grad_scale=scale,
+                   out=None if unit.param_staging is unit.master else unit.param_staging[s:e], into=into,
+                   threads=self.threads)
+        self.traffic.add(cpu_update_s=time.perf_counter() - start)
+
+    def _commit(self, unit: HostUnit) -> None:
+        """Make the update the state, then send the 16-bit shard to the accelerator."""
+        for seg in unit.segments:
+            seg.step += 1
+        if unit.spare is not None:
+            for s, e in unit.gaps:  # what no update wrote (a checkpoint load may have changed it)
+                for new, old in zip(unit.spare, self._state(unit)):
+                    new[s:e].copy_(old[s:e])
+            fp32_params = unit.param_staging is unit.master
+            old = self._state(unit)
+            unit.master, unit.exp_avg = unit.spare[0], unit.spare[1]
+            unit.exp_avg_sq = unit.spare[2] if len(unit.spare) == 3 else None
+            unit.spare = old
+            if fp32_params:
+                unit.param_staging = unit.master
+        stream = self.h2d_stream
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
             for slot in unit.updated_slots:
                 local = slot.local
-                local.copy_(unit.param_staging[slot.offset : slot.offset + slot.numel].view_as(local), non_blocking=True)
-                self.traffic.h2d_bytes += local.nbytes
-            unit.params_copied = _record_event(self.param_device)
-        self.traffic.cpu_update_s += time.perf_counter() - start
-        self._close_window()
-        return StepOutcome(norm, clip_coef, skipped=False)
+                local.copy_(unit.param_staging[slot.offset : slot.offset + slot.numel].view_as(local),
+                            non_blocking=True)
+        unit.params_copied = _record_event(stream)
+
+    def _gate(self, unit: HostUnit, module: nn.Module) -> None:
+        """Before a unit's forward: wait until its update is decided and on its way, then order FSDP2's all-gather
+        of its shards after that copy."""
+        if unit.in_flight:
+            start = time.perf_counter()
+            self.worker.wait_until(lambda: not unit.in_flight)
+            self.gate_wait_s += time.perf_counter() - start
+        event = unit.params_copied
+        if event is not None:
+            torch.cuda.current_stream(self.param_device).wait_event(event)
+            comm = getattr(module._get_fsdp_state(), "_comm_ctx", None)  # FSDP2's all-gather streams
+            for name in ("all_gather_copy_in_stream", "all_gather_stream"):
+                stream = getattr(comm, name, None)
+                if stream is not None:
+                    stream.wait_event(event)
+
+    def wait_idle(self) -> None:
+        """Block until no update is in flight: the host state and the accelerator's shards are this step's."""
+        if self.worker is not None:
+            self.worker.wait_idle()
+        for unit in self.units:
+            if unit.params_copied is not None:
+                unit.params_copied.synchronize()
 
     def take_traffic(self) -> Traffic:
         traffic, self.traffic = self.traffic, Traffic()
         return traffic
 
-    def _close_window(self) -> None:
-        for unit in self.units:
-            unit.has_grad = unit.grad_in_staging = False
+    def take_gate_wait(self) -> float:
+        seconds, self.gate_wait_s = self.gate_wait_s, 0.0
+        return seconds
 
     # -- accounting -----------------------------------------------------------------------------------------
 
@@ -307,6 +493,7 @@ class OffloadEngine:
         host = {
             "host_master": sum(u.master.nbytes for u in self.units),
             "host_optimizer_state": sum(t.nbytes for u in self.units for t in (u.exp_avg, u.exp_avg_sq) if t is not None),
+            "host_spare_state": sum(t.nbytes for u in self.units for t in (u.spare or ())),
             "host_grad_sum": sum(u.grad_sum.nbytes for u in self.units),
             "host_staging": sum(u.grad_staging.nbytes + (0 if u.param_staging is u.master else u.param_staging.nbytes)
                                 for u in self.units),

@@ -1,9 +1,9 @@
 """Fused CPU optimizer kernels (csrc/), JIT-built on first use.
 
 Each call is one sweep over contiguous CPU tensors on `threads` OpenMP threads with the GIL released: read the
-gradient (fp32, bf16 or fp16), scale it, update the fp32 param and moments in place and, if `out` is given, write
-the updated param rounded to nearest even into that bf16/fp16 tensor (equal to `param.to(out.dtype)`; NaN stays
-NaN). Nothing is copied: non-contiguous, wrongly typed or mis-sized tensors raise ValueError.
+gradient (fp32, bf16 or fp16), scale it, update the fp32 param and moments (in place, or into the tensors given as
+`into`, leaving the inputs untouched) and, if `out` is given, write the updated param rounded to nearest even into
+that bf16/fp16 tensor (equal to `param.to(out.dtype)`; NaN stays NaN). Nothing is copied: non-contiguous, wrongly typed or mis-sized tensors raise ValueError.
 `isa=None` uses `selected_isa()`; `threads=None` uses `torch.get_num_threads()`.
 """
 
@@ -14,7 +14,7 @@ import torch
 from lightning_zoff.ops.build import load
 from lightning_zoff.ops.dispatch import available_isas, default_threads, selected_isa
 
-__all__ = ["adam_step", "available_isas", "grad_sumsq_finite", "lion_step", "load", "selected_isa", "stream_probe"]
+__all__ = ["accumulate", "adam_step", "available_isas", "grad_sumsq_finite", "lion_step", "load", "selected_isa", "stream_probe"]
 
 
 def adam_step(
@@ -33,16 +33,18 @@ def adam_step(
     maximize: bool = False,
     grad_scale: float = 1.0,
     out: torch.Tensor | None = None,
+    into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     isa: str | None = None,
     threads: int | None = None,
 ) -> None:
     """One torch.optim.Adam (`decoupled=False`) or AdamW (`decoupled=True`) step on `grad * grad_scale`.
 
-    `step` counts this step, starting at 1. The math is torch's single-tensor Adam in fp32.
+    `step` counts this step, starting at 1. The math is torch's single-tensor Adam in fp32. `into`: (param,
+    exp_avg, exp_avg_sq) to receive the updated state instead of the inputs.
     """
     load().adam_step(
         param, grad, exp_avg, exp_avg_sq, out, lr, beta1, beta2, eps, weight_decay, step, decoupled, maximize,
-        grad_scale, _isa(isa), _threads(threads),
+        grad_scale, _into(into), _isa(isa), _threads(threads),
     )
 
 
@@ -58,14 +60,23 @@ def lion_step(
     grad_scale: float = 1.0,
     maximize: bool = False,
     out: torch.Tensor | None = None,
+    into: tuple[torch.Tensor, torch.Tensor] | None = None,
     isa: str | None = None,
     threads: int | None = None,
 ) -> None:
     """One Lion step on g = `grad * grad_scale`: c = beta1*m + (1-beta1)*g; p *= 1 - lr*weight_decay;
-    p -= lr * sign(c) (sign(0) = 0, like torch.sign); m = beta2*m + (1-beta2)*g."""
+    p -= lr * sign(c) (sign(0) = 0, like torch.sign); m = beta2*m + (1-beta2)*g. `into`: (param, exp_avg) to
+    receive the updated state instead of the inputs."""
     load().lion_step(
-        param, grad, exp_avg, out, lr, beta1, beta2, weight_decay, grad_scale, maximize, _isa(isa), _threads(threads)
+        param, grad, exp_avg, out, lr, beta1, beta2, weight_decay, grad_scale, maximize, _into(into), _isa(isa),
+        _threads(threads),
     )
+
+
+def accumulate(dst: torch.Tensor, src: torch.Tensor, isa: str | None = None, threads: int | None = None) -> None:
+    """`dst += src` for fp32/bf16/fp16 tensors of equal size, added in fp32 and rounded to dst's dtype: the same
+    bits as `dst.add_(src)`, on this rank's kernel threads."""
+    load().accumulate(dst, src, _isa(isa), _threads(threads))
 
 
 def grad_sumsq_finite(
@@ -84,6 +95,10 @@ def stream_probe(nbytes: int = 1 << 28, threads: int | None = None, isa: str | N
     """Host memory bandwidth in GB/s (bytes read + written) over three `nbytes` arrays: "read", "copy", "triad"
     and, where the ISA has non-temporal stores, "copy_nt" and "triad_nt". Best of a few repetitions."""
     return load().stream_probe(nbytes, _threads(threads), _isa(isa))
+
+
+def _into(into: tuple[torch.Tensor, ...] | None) -> list[torch.Tensor] | None:
+    return None if into is None else list(into)
 
 
 def _isa(isa: str | None) -> str:

@@ -21,23 +21,27 @@ def update(
     *,
     grad_scale: float = 1.0,
     out: torch.Tensor | None = None,
+    into: tuple[torch.Tensor, ...] | None = None,
     threads: int | None = None,
 ) -> None:
-    """`step` counts this step (1-based). `exp_avg_sq` is None for Lion."""
+    """`step` counts this step (1-based). `exp_avg_sq` is None for Lion. `into`: where the updated (param,
+    exp_avg[, exp_avg_sq]) go instead of in place (CPU only: the engine's speculative updates)."""
     if param.device.type == "cpu":
-        _cpu_update(rule, hp, step, param, grad, exp_avg, exp_avg_sq, grad_scale, out, threads)
+        _cpu_update(rule, hp, step, param, grad, exp_avg, exp_avg_sq, grad_scale, out, into, threads)
     else:
+        if into is not None:
+            raise ValueError("updating into other tensors is a CPU kernel feature; update accelerator state in place")
         _torch_update(rule, hp, step, param, grad, exp_avg, exp_avg_sq, grad_scale, out)
 
 
-def _cpu_update(rule, hp, step, param, grad, exp_avg, exp_avg_sq, grad_scale, out, threads) -> None:
+def _cpu_update(rule, hp, step, param, grad, exp_avg, exp_avg_sq, grad_scale, out, into, threads) -> None:
     if rule is UpdateRule.LION:
         ops.lion_step(param, grad, exp_avg, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, weight_decay=hp.weight_decay,
-                      grad_scale=grad_scale, maximize=hp.maximize, out=out, threads=threads)
+                      grad_scale=grad_scale, maximize=hp.maximize, out=out, into=into, threads=threads)
     else:
         ops.adam_step(param, grad, exp_avg, exp_avg_sq, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
                       weight_decay=hp.weight_decay, step=step, decoupled=rule is UpdateRule.ADAMW,
-                      maximize=hp.maximize, grad_scale=grad_scale, out=out, threads=threads)
+                      maximize=hp.maximize, grad_scale=grad_scale, out=out, into=into, threads=threads)
 
 
 def _torch_update(rule, hp, step, param, grad, exp_avg, exp_avg_sq, grad_scale, out) -> None:

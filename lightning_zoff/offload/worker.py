@@ -1,0 +1,74 @@
+"""One background thread that runs the engine's host work in priority order while the accelerator computes.
+
+The kernels release the GIL, so the thread runs beside the training loop's Python. An error in a task is kept and
+raised in the training thread at its next call into the worker, so nothing fails silently in the background.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from collections.abc import Callable
+
+
+class HostWorker:
+    def __init__(self, name: str = "zoff-host-worker") -> None:
+        self._tasks: list[tuple[int, int, Callable[[], None]]] = []
+        self._order = itertools.count()  # first in, first out within a priority
+        self._cond = threading.Condition()
+        self._busy = False
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, priority: int, task: Callable[[], None]) -> None:
+        """Queue `task`; lower `priority` runs first."""
+        self.raise_error()
+        with self._cond:
+            heapq.heappush(self._tasks, (priority, next(self._order), task))
+            self._cond.notify_all()
+
+    def wait_until(self, predicate: Callable[[], bool]) -> None:
+        """Block until `predicate()` holds (tasks call `notify` when they change what it reads)."""
+        with self._cond:
+            self._cond.wait_for(lambda: predicate() or self._error is not None)
+        self.raise_error()
+
+    def wait_idle(self) -> None:
+        self.wait_until(lambda: not self._tasks and not self._busy)
+
+    def notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"zoff: the host worker failed: {error!r}") from error
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._tasks or self._closed)
+                if self._closed:
+                    return
+                _, _, task = heapq.heappop(self._tasks)
+                self._busy = True
+            try:
+                task()
+            except BaseException as error:  # handed to the training thread; the queue is dropped with it
+                with self._cond:
+                    self._error = error
+                    self._tasks.clear()
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()

@@ -1,0 +1,112 @@
+"""The overlapped engine against the synchronous one on this machine's accelerator: same bits, or it fails.
+
+    python scripts/check_overlap.py --steps 20 --out overlap_check.json
+
+Trains the example GPT (bf16-mixed, clipping at a norm that some steps exceed, one step poisoned with inf so it is
+skipped) with `ZoffStrategy(overlap=False)`, then `overlap=True` with the worker's natural timing and with every
+speculation run before the decision, each in its own subprocess, and compares losses, step outcomes and the final
+fp32 masters bit for bit. Exits non-zero on any difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MODEL = dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256, lr=3e-3, weight_decay=0.1)
+BAD_STEP = 5
+MODES = {"sync": dict(overlap=False), "overlap": dict(overlap=True), "overlap_awaited": dict(overlap=True)}
+
+
+def run_mode(mode: str, steps: int, clip: float, accumulate: int, out: Path) -> None:
+    import lightning.pytorch as pl
+    import torch
+
+    from lightning_zoff import ZoffStrategy
+    from lightning_zoff.examples.corpus import CorpusDataModule
+    from lightning_zoff.examples.gpt import GPTModule
+
+    class Poisoned(GPTModule):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * float("inf") if self.trainer.global_step == BAD_STEP else loss
+
+    class Record(pl.Callback):
+        def __init__(self):
+            self.losses, self.outcomes = [], []
+
+        def on_train_start(self, trainer, pl_module):
+            trainer.strategy.engine.await_speculation = mode == "overlap_awaited"
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.losses.append(outputs["loss"].item())
+            last = trainer.strategy.last_step
+            if last is not None and len(self.outcomes) < trainer.global_step:
+                self.outcomes.append([last.skipped, last.clip_coef, last.grad_norm])
+
+    pl.seed_everything(0)
+    record = Record()
+    trainer = pl.Trainer(
+        accelerator="auto", devices=1, strategy=ZoffStrategy(**MODES[mode]), precision="bf16-mixed",
+        max_steps=steps, accumulate_grad_batches=accumulate, gradient_clip_val=clip, callbacks=[record], logger=False,
+        enable_checkpointing=False, limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(Poisoned(**MODEL), datamodule=CorpusDataModule(block_size=MODEL["block_size"], batch_size=8,
+                                                               max_bytes=2_000_000))
+    engine = trainer.strategy.engine
+    engine.wait_idle()
+    masters = torch.cat([u.master for u in engine.units])
+    torch.save({"losses": record.losses, "outcomes": record.outcomes, "masters": masters,
+                "speculations": dict(engine.speculations), "device": str(trainer.strategy.root_device)}, out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--clip", type=float, default=None, help="default: the median norm of an unclipped run")
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path("overlap_check.json"))
+    parser.add_argument("--mode", choices=sorted(MODES))
+    parser.add_argument("--mode-out", type=Path)
+    args = parser.parse_args()
+    if args.mode:
+        return run_mode(args.mode, args.steps, args.clip, args.accumulate, args.mode_out)
+    import torch
+
+    def run(mode: str, clip: float) -> dict:
+        path = args.out.with_suffix(f".{mode}.pt")
+        subprocess.run([sys.executable, __file__, "--mode", mode, "--steps", str(args.steps), "--clip", str(clip),
+                        "--accumulate", str(args.accumulate), "--mode-out", str(path)], check=True)
+        result = torch.load(path)
+        path.unlink()
+        return result
+
+    clip = args.clip
+    if clip is None:  # clip at the median norm, so that some steps are clipped and some are not
+        norms = sorted(norm for skipped, _, norm in run("sync", 0.0)["outcomes"] if not skipped)
+        clip = norms[len(norms) // 2]
+    results = {mode: run(mode, clip) for mode in MODES}
+    sync = results["sync"]
+    clipped = [coef < 1.0 for skipped, coef, _ in sync["outcomes"] if not skipped]
+    summary = {"device": sync["device"], "steps": args.steps, "accumulate": args.accumulate, "clip": clip,
+               "skipped_steps": [i for i, o in enumerate(sync["outcomes"]) if o[0]],
+               "clipped_steps": sum(clipped), "unclipped_steps": len(clipped) - sum(clipped)}
+    ok = True
+    for mode in ("overlap", "overlap_awaited"):
+        other = results[mode]
+        same = (other["losses"] == sync["losses"] and repr(other["outcomes"]) == repr(sync["outcomes"])
+                and torch.equal(other["masters"].view(torch.uint8), sync["masters"].view(torch.uint8)))
+        summary[mode] = {"bitwise_equal_to_sync": same, "speculations": other["speculations"]}
+        ok &= same
+    print(json.dumps(summary, indent=1))
+    args.out.write_text(json.dumps(summary, indent=1))
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
