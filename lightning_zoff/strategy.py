@@ -285,7 +285,10 @@ class ZoffStrategy(ParallelStrategy):
         # each rank on this node gets its share of the cores this process may run on
         if self.cpu_threads:
             return self.cpu_threads
-        return max(1, len(os.sched_getaffinity(0)) // max(1, self.num_processes))
+        share = max(1, len(os.sched_getaffinity(0)) // max(1, self.num_processes))
+        if self.overlap and self.offload and self.root_device.type == "cuda" and share >= 4:
+            return share - 1  # the training thread keeps a core to launch kernels while the worker updates
+        return share
 
     def _log_memory(self) -> None:
         assert self.engine is not None

@@ -21,6 +21,10 @@ for stage in "$@"; do
     reference) timeout 150 python3 scripts/check_reference.py --steps 30 --out "$OUT/reference_check.json" 2>&1 | grep -v "^INFO\|Tip\|available:" | tail -40 | tee "$OUT/reference_check.txt" ;;
     kernels) timeout 240 python3 scripts/bench_kernels.py --params 500e6 --out "$OUT/kernels.json" 2>&1 | grep -v "^INFO" | tail -25 | tee "$OUT/kernels.txt" ;;
     train) timeout 150 python3 scripts/train.py trainer.max_steps=60 hydra.run.dir=/tmp/train_run 2>&1 | grep -v "^INFO" | tail -25 | tee "$OUT/train.txt"; cp /tmp/train_run/loss.png "$OUT/" 2>/dev/null ;;
+    overlap) timeout 200 python3 scripts/check_overlap.py --steps 12 --out "$OUT/overlap_check.json" 2>&1 | grep -v "^INFO\|Tip\|available:" | tail -30 | tee "$OUT/overlap_check.txt" ;;
     bench) timeout 330 python3 scripts/bench.py --runs gpu_only zoff --accumulate 1 4 --steps 6 --warmup 2 --out "$OUT/bench.json" 2>&1 | tail -12 | tee "$OUT/bench.txt" ;;
+    bench_acc1) timeout ${BENCH_TIMEOUT:-380} python3 scripts/bench.py --runs gpu_only zoff deepspeed_zero3_offload --accumulate 1 --steps 6 --warmup 2 --out "$OUT/bench_acc1.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/bench_acc1.txt" ;;
+    bench_acc4) timeout ${BENCH_TIMEOUT:-540} python3 scripts/bench.py --runs gpu_only zoff zoff_accum_gpu zoff_accum_gpu_retained deepspeed_zero3_offload --accumulate 4 --steps 5 --warmup 2 --out "$OUT/bench_acc4.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/bench_acc4.txt" ;;
+    bench_more) timeout ${BENCH_TIMEOUT:-400} python3 scripts/bench.py --runs fsdp2_cpu_offload zoff zoff_sync --accumulate 1 4 --steps 5 --warmup 2 --out "$OUT/bench_more.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/bench_more.txt" ;;
   esac
 done
