@@ -80,8 +80,8 @@ int checked_threads(int64_t threads) {
 void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& out, double lr, double beta1,
                double beta2, double eps, double weight_decay, int64_t step, bool decoupled, bool maximize,
-               double grad_scale, const std::optional<std::vector<at::Tensor>>& into, const std::string& isa,
-               int64_t threads) {
+               double grad_scale, const std::optional<std::vector<at::Tensor>>& into, bool stream,
+               const std::string& isa, int64_t threads) {
   const int64_t n = param.numel();
   check_f32(param, "param", n);
   check_f32(exp_avg, "exp_avg", n);
@@ -102,6 +102,7 @@ void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
                       gdtype,
                       out_ptr,
                       out_dtype,
+                      stream,
                       adam_consts(lr, beta1, beta2, eps, weight_decay, step, decoupled, maximize, grad_scale)};
   pybind11::gil_scoped_release no_gil;
   parallel_chunks(n, team, [&](int, int64_t begin, int64_t end) { kernels.adam(task, begin, end); });
@@ -109,7 +110,7 @@ void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
 
 void lion_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                const std::optional<at::Tensor>& out, double lr, double beta1, double beta2, double weight_decay,
-               double grad_scale, bool maximize, const std::optional<std::vector<at::Tensor>>& into,
+               double grad_scale, bool maximize, const std::optional<std::vector<at::Tensor>>& into, bool stream,
                const std::string& isa, int64_t threads) {
   const int64_t n = param.numel();
   check_f32(param, "param", n);
@@ -127,6 +128,7 @@ void lion_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
                       gdtype,
                       out_ptr,
                       out_dtype,
+                      stream,
                       lion_consts(lr, beta1, beta2, weight_decay, maximize, grad_scale)};
   pybind11::gil_scoped_release no_gil;
   parallel_chunks(n, team, [&](int, int64_t begin, int64_t end) { kernels.lion(task, begin, end); });
@@ -174,10 +176,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adam_step", &zoff::adam_step, py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
         py::arg("out"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
         py::arg("step"), py::arg("decoupled"), py::arg("maximize"), py::arg("grad_scale"), py::arg("into"),
-        py::arg("isa"), py::arg("threads"));
+        py::arg("stream"), py::arg("isa"), py::arg("threads"));
   m.def("lion_step", &zoff::lion_step, py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("out"),
         py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("weight_decay"), py::arg("grad_scale"),
-        py::arg("maximize"), py::arg("into"), py::arg("isa"), py::arg("threads"));
+        py::arg("maximize"), py::arg("into"), py::arg("stream"), py::arg("isa"), py::arg("threads"));
   m.def("grad_sumsq_finite", &zoff::grad_sumsq_finite, py::arg("grad"), py::arg("grad_scale"), py::arg("isa"),
         py::arg("threads"));
   m.def("accumulate", &zoff::accumulate, py::arg("dst"), py::arg("src"), py::arg("isa"), py::arg("threads"));

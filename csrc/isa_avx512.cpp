@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <type_traits>
 
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")

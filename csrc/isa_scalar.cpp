@@ -1,6 +1,7 @@
 // The portable build of the kernels: plain C++ at the compiler's baseline ISA.
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <type_traits>
 
 #include "kernels.h"

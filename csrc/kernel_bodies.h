@@ -2,6 +2,27 @@
 // included inside each ISA's namespace by isa_*.cpp, so every ISA gets its own compiled copy of the same code.
 // Each kernel sweeps [begin, end) once: whole Simd vectors, then the tail with Scalar, whose formula is the same.
 
+// How a kernel stores what it only writes: through the cache, or streamed (non-temporal: the line is not read
+// for ownership first, which saves a read of every byte written). Streaming needs aligned whole vectors, so
+// only the Simd loop streams, from an aligned start.
+enum class Stores { kCached, kStreamOut, kStreamAll };  // kStreamOut: the 16-bit copy; kStreamAll: new state too
+
+template <class V, bool kNonTemporal, class T>
+inline void put(T* p, typename V::F x) {
+  if constexpr (kNonTemporal) V::stream(p, x);
+  else V::store(p, x);
+}
+
+template <class V>
+inline void fence() {
+  if constexpr (V::kHasStream) V::stream_fence();
+}
+
+template <class V>
+inline bool aligned_for_stream(const void* p, int64_t element_size) {
+  return reinterpret_cast<uintptr_t>(p) % uintptr_t(V::kWidth * element_size) == 0;
+}
+
 template <class V>
 struct AdamVec {  // AdamConsts broadcast to V's lanes
   using F = typename V::F;
@@ -14,8 +35,9 @@ struct AdamVec {  // AdamConsts broadcast to V's lanes
 };
 
 // Out is void when there is no 16-bit copy to write.
-template <class V, class G, class Out>
+template <class V, class G, class Out, Stores kStores = Stores::kCached>
 inline void adam_at(const AdamTask& t, const AdamVec<V>& c, int64_t i) {
+  constexpr bool kStreamState = kStores == Stores::kStreamAll, kStreamOut = kStores != Stores::kCached;
   using F = typename V::F;
   const AdamConsts& k = t.k;
   F g = V::load(static_cast<const G*>(t.grad) + i) * c.grad_scale;
@@ -29,19 +51,66 @@ inline void adam_at(const AdamTask& t, const AdamVec<V>& c, int64_t i) {
   v = c.beta2 * v + c.one_minus_beta2 * g * g;
   const F denom = V::sqrt(v) / c.bc2_sqrt + c.eps;
   p = p + c.neg_step_size * m / denom;
-  V::store(t.exp_avg_out + i, m);
-  V::store(t.exp_avg_sq_out + i, v);
-  V::store(t.param_out + i, p);
-  if constexpr (!std::is_void_v<Out>) V::store(static_cast<Out*>(t.out) + i, p);
+  put<V, kStreamState>(t.exp_avg_out + i, m);
+  put<V, kStreamState>(t.exp_avg_sq_out + i, v);
+  put<V, kStreamState>(t.param_out + i, p);
+  if constexpr (!std::is_void_v<Out>) put<V, kStreamOut>(static_cast<Out*>(t.out) + i, p);
+}
+
+// Which stores can stream from element i: the 16-bit copy when it is aligned there, the new state when it goes to
+// other arrays than the old (an update in place reads its lines anyway) and they are aligned there too.
+template <class Out>
+Stores stores_from(bool allowed, const void* out, std::initializer_list<const float*> state_out, bool in_place,
+                   int64_t i) {
+  if constexpr (!Simd::kHasStream) {
+    return Stores::kCached;
+  } else {
+    if (!allowed) return Stores::kCached;
+    if constexpr (!std::is_void_v<Out>) {
+      if (!aligned_for_stream<Simd>(static_cast<const Out*>(out) + i, sizeof(Out))) return Stores::kCached;
+    }
+    if (in_place) return Stores::kStreamOut;
+    for (const float* p : state_out) {
+      if (!aligned_for_stream<Simd>(p + i, sizeof(float))) return Stores::kStreamOut;
+    }
+    return Stores::kStreamAll;
+  }
+}
+
+// Runs at(i) on single elements until the first array written is aligned, on whole vectors with the stores that
+// alignment allows, then on the tail. Every element gets the same formula whichever loop runs it.
+template <class Out, class Task, class One, class Vec>
+void sweep(const Task& t, float* first_out, std::initializer_list<const float*> state_out, bool in_place,
+           int64_t begin, int64_t end, const One& one, const Vec& vec) {
+  int64_t i = begin;
+  if constexpr (Simd::kHasStream) {
+    while (i < end && !aligned_for_stream<Simd>(first_out + i, sizeof(float))) one(i++);
+  }
+  const auto run = [&](auto mode) {
+    for (; i + Simd::kWidth <= end; i += Simd::kWidth) vec(i, mode);
+  };
+  if constexpr (Simd::kHasStream) {
+    const Stores stores = stores_from<Out>(t.stream, t.out, state_out, in_place, i);
+    switch (stores) {
+      case Stores::kCached: run(std::integral_constant<Stores, Stores::kCached>{}); break;
+      case Stores::kStreamOut: run(std::integral_constant<Stores, Stores::kStreamOut>{}); break;
+      case Stores::kStreamAll: run(std::integral_constant<Stores, Stores::kStreamAll>{}); break;
+    }
+    if (stores != Stores::kCached) fence<Simd>();  // streamed lines are visible before the caller copies them
+  } else {
+    run(std::integral_constant<Stores, Stores::kCached>{});
+  }
+  for (; i < end; ++i) one(i);
 }
 
 template <class G, class Out>
 void adam_typed(const AdamTask& t, int64_t begin, int64_t end) {
   const AdamVec<Simd> vec(t.k);
   const AdamVec<Scalar> one(t.k);
-  int64_t i = begin;
-  for (; i + Simd::kWidth <= end; i += Simd::kWidth) adam_at<Simd, G, Out>(t, vec, i);
-  for (; i < end; ++i) adam_at<Scalar, G, Out>(t, one, i);
+  sweep<Out>(
+      t, t.param_out, {t.exp_avg_out, t.exp_avg_sq_out}, t.param_out == t.param, begin, end,
+      [&](int64_t i) { adam_at<Scalar, G, Out>(t, one, i); },
+      [&](int64_t i, auto mode) { adam_at<Simd, G, Out, decltype(mode)::value>(t, vec, i); });
 }
 
 template <class V>
@@ -54,8 +123,9 @@ struct LionVec {
         lr(V::set1(k.lr)) {}
 };
 
-template <class V, class G, class Out>
+template <class V, class G, class Out, Stores kStores = Stores::kCached>
 inline void lion_at(const LionTask& t, const LionVec<V>& c, int64_t i) {
+  constexpr bool kStreamState = kStores == Stores::kStreamAll, kStreamOut = kStores != Stores::kCached;
   using F = typename V::F;
   const F g = V::load(static_cast<const G*>(t.grad) + i) * c.grad_scale;
   F m = V::load(t.exp_avg + i);
@@ -64,18 +134,19 @@ inline void lion_at(const LionTask& t, const LionVec<V>& c, int64_t i) {
   if (t.k.decoupled_decay) p = p * c.decay;
   p = p - c.lr * V::sign(direction);
   m = c.beta2 * m + c.one_minus_beta2 * g;
-  V::store(t.exp_avg_out + i, m);
-  V::store(t.param_out + i, p);
-  if constexpr (!std::is_void_v<Out>) V::store(static_cast<Out*>(t.out) + i, p);
+  put<V, kStreamState>(t.exp_avg_out + i, m);
+  put<V, kStreamState>(t.param_out + i, p);
+  if constexpr (!std::is_void_v<Out>) put<V, kStreamOut>(static_cast<Out*>(t.out) + i, p);
 }
 
 template <class G, class Out>
 void lion_typed(const LionTask& t, int64_t begin, int64_t end) {
   const LionVec<Simd> vec(t.k);
   const LionVec<Scalar> one(t.k);
-  int64_t i = begin;
-  for (; i + Simd::kWidth <= end; i += Simd::kWidth) lion_at<Simd, G, Out>(t, vec, i);
-  for (; i < end; ++i) lion_at<Scalar, G, Out>(t, one, i);
+  sweep<Out>(
+      t, t.param_out, {t.exp_avg_out}, t.param_out == t.param, begin, end,
+      [&](int64_t i) { lion_at<Scalar, G, Out>(t, one, i); },
+      [&](int64_t i, auto mode) { lion_at<Simd, G, Out, decltype(mode)::value>(t, vec, i); });
 }
 
 template <class G>
@@ -112,14 +183,6 @@ double stream_read(const float* a, int64_t begin, int64_t end) {
   double sum = Simd::lane_sum((s0 + s1) + (s2 + s3));
   for (; i < end; ++i) sum += a[i];
   return sum;
-}
-
-// V is always Simd: a template parameter so that V::stream is looked up only where the ISA has it.
-// Non-temporal stores need aligned whole vectors: the probe's chunks are multiples of 64 floats, 4 KiB aligned.
-template <class V, bool kNonTemporal>
-inline void put(float* p, typename V::F x) {
-  if constexpr (kNonTemporal) V::stream(p, x);
-  else V::store(p, x);
 }
 
 template <class V, bool kNonTemporal>

@@ -53,6 +53,7 @@ struct AdamTask {
   DType grad_dtype;
   void* out;  // nullptr: no 16-bit copy of the updated param
   DType out_dtype;
+  bool stream;  // non-temporal stores allowed for what is only written (see Stores in kernel_bodies.h)
   AdamConsts k;
 };
 
@@ -76,6 +77,7 @@ struct LionTask {
   DType grad_dtype;
   void* out;
   DType out_dtype;
+  bool stream;
   LionConsts k;
 };
 

@@ -18,20 +18,22 @@ struct Avx2 {
   }
   static F load(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
-  static void store(Bf16* p, F x) {  // round to nearest even on the integer bits; NaN -> 0x7FC0
+  static __m128i bf16_bits(F x) {  // round to nearest even on the integer bits; NaN -> 0x7FC0
     const __m256i u = _mm256_castps_si256(x);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
     const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(nan));
     // packus packs within each 128-bit half; then bring quadwords 0 and 2 together.
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
   }
-  static void store(Half* p, F x) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
-  }
-  static void stream(float* p, F x) { _mm256_stream_ps(p, x); }  // p 32-byte aligned
+  static __m128i half_bits(F x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT); }
+  static void store(Bf16* p, F x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_bits(x)); }
+  static void store(Half* p, F x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), half_bits(x)); }
+  // Non-temporal stores (no read for ownership of lines only written): p aligned to kWidth elements.
+  static void stream(float* p, F x) { _mm256_stream_ps(p, x); }
+  static void stream(Bf16* p, F x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), bf16_bits(x)); }
+  static void stream(Half* p, F x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), half_bits(x)); }
   static void stream_fence() { _mm_sfence(); }
   static F sqrt(F x) { return _mm256_sqrt_ps(x); }
   // torch.sign from the sign bit (so -0.0 and +0.0 both give 0): +-1 where x != 0, 0 where x is 0 or NaN.

@@ -17,17 +17,20 @@ struct Avx512 {
   }
   static F load(const Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
-  static void store(Bf16* p, F x) {  // round to nearest even on the integer bits; NaN -> 0x7FC0
+  static __m256i bf16_bits(F x) {  // round to nearest even on the integer bits; NaN -> 0x7FC0
     const __m512i u = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
     r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+    return _mm512_cvtepi32_epi16(r);
   }
-  static void store(Half* p, F x) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
-  }
-  static void stream(float* p, F x) { _mm512_stream_ps(p, x); }  // p 64-byte aligned
+  static __m256i half_bits(F x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT); }
+  static void store(Bf16* p, F x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits(x)); }
+  static void store(Half* p, F x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), half_bits(x)); }
+  // Non-temporal stores (no read for ownership of lines only written): p aligned to kWidth elements.
+  static void stream(float* p, F x) { _mm512_stream_ps(p, x); }
+  static void stream(Bf16* p, F x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), bf16_bits(x)); }
+  static void stream(Half* p, F x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), half_bits(x)); }
   static void stream_fence() { _mm_sfence(); }
   static F sqrt(F x) { return _mm512_sqrt_ps(x); }
   // torch.sign from the sign bit: +-1 where x != 0, 0 where x is +-0 or NaN. Integer and/or: the float ones are DQ.

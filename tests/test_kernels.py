@@ -257,23 +257,27 @@ def test_isas_and_thread_counts_agree_bitwise(isa):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("rule", ["adamw", "lion"])
 @pytest.mark.parametrize("n", SIZES)
-def test_update_into_other_tensors_equals_in_place(isa, rule, n):
-    # the engine's speculative updates write the new state elsewhere and must equal the in-place update bit for bit
+@pytest.mark.parametrize("stream", [True, False])
+def test_update_into_other_tensors_equals_in_place(isa, rule, n, stream):
+    # the engine's speculative updates write the new state elsewhere (streamed stores) and must equal the cached
+    # in-place update bit for bit; slices at odd offsets make the kernel peel elements until it can stream
     gen = _gen("into", isa, rule, n)
     p, m, v = torch.randn(n, generator=gen), torch.randn(n, generator=gen), torch.rand(n, generator=gen)
     grad = _grad(n, torch.bfloat16, 1.0, gen)
     state = (p, m) if rule == "lion" else (p, m, v)
     before = [t.clone() for t in state]
     inplace = [t.clone() for t in state]
-    into = [torch.full_like(t, math.nan) for t in state]
-    out_inplace, out_into = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    into = [torch.full((n + 3,), math.nan)[3:] for _ in state]  # 3 elements past an aligned start, as out
+    out_inplace, out_into = torch.empty(n, dtype=torch.bfloat16), torch.empty(n + 3, dtype=torch.bfloat16)[3:]
     if rule == "lion":
-        ops.lion_step(*inplace[:1], grad, inplace[1], **LION, grad_scale=0.5, out=out_inplace, isa=isa, threads=THREADS)
-        ops.lion_step(p, grad, m, **LION, grad_scale=0.5, out=out_into, into=tuple(into), isa=isa, threads=THREADS)
+        ops.lion_step(*inplace[:1], grad, inplace[1], **LION, grad_scale=0.5, out=out_inplace, stream=False, isa=isa,
+                      threads=THREADS)
+        ops.lion_step(p, grad, m, **LION, grad_scale=0.5, out=out_into, into=tuple(into), stream=stream, isa=isa,
+                      threads=THREADS)
     else:
         kwargs = dict(_adam_kwargs(ADAM_CASES["adamw"]), step=4, grad_scale=0.5, isa=isa, threads=THREADS)
-        ops.adam_step(inplace[0], grad, inplace[1], inplace[2], out=out_inplace, **kwargs)
-        ops.adam_step(p, grad, m, v, out=out_into, into=tuple(into), **kwargs)
+        ops.adam_step(inplace[0], grad, inplace[1], inplace[2], out=out_inplace, stream=False, **kwargs)
+        ops.adam_step(p, grad, m, v, out=out_into, into=tuple(into), stream=stream, **kwargs)
     for old, now in zip(before, state):
         assert torch.equal(old, now)  # the inputs are untouched
     for a, b in zip(inplace, into):

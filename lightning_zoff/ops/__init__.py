@@ -3,11 +3,14 @@
 Each call is one sweep over contiguous CPU tensors on `threads` OpenMP threads with the GIL released: read the
 gradient (fp32, bf16 or fp16), scale it, update the fp32 param and moments (in place, or into the tensors given as
 `into`, leaving the inputs untouched) and, if `out` is given, write the updated param rounded to nearest even into
-that bf16/fp16 tensor (equal to `param.to(out.dtype)`; NaN stays NaN). Nothing is copied: non-contiguous, wrongly typed or mis-sized tensors raise ValueError.
+that bf16/fp16 tensor (equal to `param.to(out.dtype)`; NaN stays NaN). Arrays that are only written (`out`, and `into`) get non-temporal stores where aligned, which skips reading
+their lines first; `stream=False` (or ZOFF_STREAM_STORES=0) turns that off. Nothing is copied: non-contiguous, wrongly typed or mis-sized tensors raise ValueError.
 `isa=None` uses `selected_isa()`; `threads=None` uses `torch.get_num_threads()`.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -34,6 +37,7 @@ def adam_step(
     grad_scale: float = 1.0,
     out: torch.Tensor | None = None,
     into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    stream: bool | None = None,
     isa: str | None = None,
     threads: int | None = None,
 ) -> None:
@@ -44,7 +48,7 @@ def adam_step(
     """
     load().adam_step(
         param, grad, exp_avg, exp_avg_sq, out, lr, beta1, beta2, eps, weight_decay, step, decoupled, maximize,
-        grad_scale, _into(into), _isa(isa), _threads(threads),
+        grad_scale, _into(into), _stream(stream), _isa(isa), _threads(threads),
     )
 
 
@@ -61,6 +65,7 @@ def lion_step(
     maximize: bool = False,
     out: torch.Tensor | None = None,
     into: tuple[torch.Tensor, torch.Tensor] | None = None,
+    stream: bool | None = None,
     isa: str | None = None,
     threads: int | None = None,
 ) -> None:
@@ -68,8 +73,8 @@ def lion_step(
     p -= lr * sign(c) (sign(0) = 0, like torch.sign); m = beta2*m + (1-beta2)*g. `into`: (param, exp_avg) to
     receive the updated state instead of the inputs."""
     load().lion_step(
-        param, grad, exp_avg, out, lr, beta1, beta2, weight_decay, grad_scale, maximize, _into(into), _isa(isa),
-        _threads(threads),
+        param, grad, exp_avg, out, lr, beta1, beta2, weight_decay, grad_scale, maximize, _into(into), _stream(stream),
+        _isa(isa), _threads(threads),
     )
 
 
@@ -99,6 +104,10 @@ def stream_probe(nbytes: int = 1 << 28, threads: int | None = None, isa: str | N
 
 def _into(into: tuple[torch.Tensor, ...] | None) -> list[torch.Tensor] | None:
     return None if into is None else list(into)
+
+
+def _stream(stream: bool | None) -> bool:
+    return os.environ.get("ZOFF_STREAM_STORES", "1") != "0" if stream is None else stream
 
 
 def _isa(isa: str | None) -> str:

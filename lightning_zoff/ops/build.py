@@ -74,7 +74,9 @@ def _build() -> ModuleType:
 
 
 def _build_key() -> str:
-    digest = hashlib.sha256()
+    # the source directory too: ninja's build file names absolute paths, so two checkouts sharing one directory
+    # would rebuild each other's extension on every start
+    digest = hashlib.sha256(str(CSRC.resolve()).encode() + b"\0")
     for path in sorted(CSRC.glob("*.[ch]*")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     machine = (platform.machine(), sorted(_cpu_flags() & _ISA_FLAGS))
