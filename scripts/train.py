@@ -13,6 +13,7 @@ loss.png and Lightning's logs; prints zoff's step breakdown and a sample generat
 
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -22,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hydra
 import lightning.pytorch as pl
 import torch
+from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.fabric.accelerators.cuda import num_cuda_devices
@@ -70,6 +72,26 @@ class Finish(pl.Callback):
             print(self.text.decode("utf-8", errors="replace"))
 
 
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def list_existing_keys(argv: list[str]) -> None:
+    """After a failed run: for each `a.b=value` naming a key that does not exist, print the keys `a` has (Hydra names
+    only the bad one)."""
+    # the run's group choices (strategy=ddp), sweeps and flags left out; a bad choice is Hydra's own message
+    choices = [arg for arg in argv if re.fullmatch(r"\w+=[\w.]+", arg)]
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose("train", overrides=choices)
+    except Exception:
+        return
+    for key in (arg.split("=", 1)[0] for arg in argv if re.match(r"\w[\w.]*\.\w+=", arg)):
+        parent, _, name = key.rpartition(".")
+        node = OmegaConf.select(cfg, parent)
+        if OmegaConf.is_dict(node) and name not in node:
+            print(f"'{key}' does not exist; {parent} has: {', '.join(sorted(node))}", file=sys.stderr)
+
+
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     # The ranks are forked from this process (strategy start_method: fork). GNU OpenMP cannot fork once its thread
@@ -101,4 +123,9 @@ if __name__ == "__main__":
     # in this process, so ranks can still be forked.
     if num_cuda_devices() > 0 and not any(a.startswith(("trainer=", "+trainer=")) for a in sys.argv[1:]):
         sys.argv.append("trainer=gpu")
-    main()
+    try:
+        main()
+    except SystemExit as stop:  # Hydra reports an error and exits
+        if stop.code:
+            list_existing_keys(sys.argv[1:])
+        raise

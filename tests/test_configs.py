@@ -3,6 +3,8 @@ the choices."""
 
 from __future__ import annotations
 
+import importlib.util
+import re
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -19,7 +21,7 @@ from torch.multiprocessing import ProcessRaisedException
 import lightning_zoff.optim
 from lightning_zoff import ZoffStrategy
 from lightning_zoff.examples.corpus import CorpusDataModule, SyntheticDataModule
-from lightning_zoff.examples.gpt import GPTModule
+from lightning_zoff.examples.gpt import Block, GPTModule
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 # every option of every group (conf/cli/ is LightningCLI's, not Hydra's)
@@ -55,6 +57,11 @@ def test_zoff_strategies_build_with_every_option(name, offload):
     keyword_options = set(ZoffStrategy.__init__.__kwdefaults__) - {"timeout"}
     assert set(cfg.strategy) - {"_target_"} == keyword_options
     assert (strategy.start_method, strategy.pin_memory, strategy.grad_accum_on) == ("fork", True, "host")
+
+
+def test_wrap_policy_takes_classes_from_the_command_line():
+    cfg = compose_train("strategy.wrap_policy=[{_target_:hydra.utils.get_class,path:lightning_zoff.examples.gpt.Block}]")
+    assert instantiate(cfg.strategy).wrap_policy == {Block}
 
 
 def test_ddp_and_deepspeed_strategies():
@@ -112,6 +119,18 @@ def test_unknown_key_is_named():
     with pytest.raises(ConfigCompositionException, match=r"Could not override 'trainer\.max_step'") as err:
         compose_train("trainer.max_step=3")
     assert "Key 'max_step' is not in struct" in str(err.value.__cause__)
+
+
+def test_the_main_job_lists_the_keys_that_exist(capsys):
+    # scripts/train.py calls this after Hydra refused an override, which names only the bad key
+    spec = importlib.util.spec_from_file_location("train_script", CONF.parent / "scripts" / "train.py")
+    train_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_script)
+    train_script.list_existing_keys(["strategy=ddp", "trainer.max_step=3", "strategy.offload=false", "optimizer.lr=1"])
+    err = capsys.readouterr().err
+    assert re.search(r"'trainer\.max_step' does not exist; trainer has: accelerator, .*, max_steps, ", err)
+    assert "'strategy.offload' does not exist; strategy has: _target_, start_method\n" in err  # ddp's keys
+    assert "optimizer" not in err
 
 
 def test_unknown_option_lists_the_options():

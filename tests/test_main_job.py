@@ -40,7 +40,7 @@ def test_one_job(tmp_path):
     out = proc.stdout
     assert "Starting with 2 processes" in out + proc.stderr
     assert "Epoch 0: 100%" in out  # Lightning's progress bar (on stdout)
-    breakdown = out[out.index("step breakdown (rank 0, mean of steps 2-3)"):]
+    breakdown = out[out.index("step breakdown (rank 0, steps 2-3, mean per step)"):]
     for phase in ("forward", "backward", "exposed optimizer", "cpu update", "host traffic"):
         assert f"\n  {phase} " in breakdown, phase
     checkpoint = Path(out.split("checkpoint: ")[1].split("\n")[0])

@@ -66,8 +66,9 @@ class StepBreakdown(pl.Callback):
         steps = self.steps[1:] or self.steps
         mean = {key: statistics.fmean(step[key] for step in steps) for key in steps[0]}
         total = sum(mean[f"{phase}_s"] for phase in self.PHASES) or 1.0
-        first = len(self.steps) - len(steps) + 1
-        lines = [f"step breakdown (rank 0, mean of steps {first}-{len(self.steps)}):"]
+        first, last = len(self.steps) - len(steps) + 1, len(self.steps)
+        span = f"step {last}" if first == last else f"steps {first}-{last}, mean per step"
+        lines = [f"step breakdown (rank 0, {span}):"]
         lines += [f"  {phase.replace('_', ' '):<18} {mean[f'{phase}_s']:8.4f} s  {mean[f'{phase}_s'] / total:4.0%}"
                   for phase in self.PHASES]
         lines.append(f"  {'cpu update':<18} {mean['cpu_update_s']:8.4f} s  (the CPU's update time)")
