@@ -32,6 +32,8 @@ from omegaconf import DictConfig, OmegaConf
 import lightning_zoff  # noqa: F401  registers the "zoff" strategy names with Lightning
 from lightning_zoff.examples.report import LossHistory, StepBreakdown
 
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
 
 class Finish(pl.Callback):
     """The end of the run: checkpoint and sample in every rank (collectives when the model is sharded), then rank 0
@@ -70,9 +72,6 @@ class Finish(pl.Callback):
         if self.text:
             print("-" * 40 + " sample " + "-" * 40)
             print(self.text.decode("utf-8", errors="replace"))
-
-
-CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
 def list_existing_keys(argv: list[str]) -> None:
