@@ -29,8 +29,9 @@ from hydra.utils import instantiate
 from lightning.fabric.accelerators.cuda import num_cuda_devices
 from omegaconf import DictConfig, OmegaConf
 
-import lightning_zoff  # noqa: F401  registers the "zoff" strategy names with Lightning
+from lightning_zoff import ZoffStrategy  # importing the package registers the "zoff" strategy names with Lightning
 from lightning_zoff.examples.report import LossHistory, StepBreakdown
+from lightning_zoff.optim import update_rule_for
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -91,6 +92,16 @@ def list_existing_keys(argv: list[str]) -> None:
             print(f"'{key}' does not exist; {parent} has: {', '.join(sorted(node))}", file=sys.stderr)
 
 
+def check_optimizer(strategy: pl.strategies.Strategy, optimizer_factory, choice: str) -> None:
+    """zoff refuses an optimizer it cannot run at setup, inside the ranks; here, before they start, the message can
+    name the config choice."""
+    if isinstance(strategy, ZoffStrategy):
+        try:
+            update_rule_for(optimizer_factory([torch.nn.Parameter(torch.zeros(1))]))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"optimizer={choice}: {err}") from None
+
+
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     # The ranks are forked from this process (strategy start_method: fork). GNU OpenMP cannot fork once its thread
@@ -105,7 +116,9 @@ def main(cfg: DictConfig) -> None:
 
     strategy = instantiate(cfg.strategy)  # first: a missing package or a bad option stops before anything is built
     datamodule = instantiate(cfg.data)
-    model = instantiate(cfg.model, optimizer=instantiate(cfg.optimizer))
+    optimizer_factory = instantiate(cfg.optimizer)
+    check_optimizer(strategy, optimizer_factory, HydraConfig.get().runtime.choices.get("optimizer"))
+    model = instantiate(cfg.model, optimizer=optimizer_factory)
     history, breakdown = LossHistory(), StepBreakdown()
     trainer = pl.Trainer(
         strategy=strategy,

@@ -121,11 +121,16 @@ def test_unknown_key_is_named():
     assert "Key 'max_step' is not in struct" in str(err.value.__cause__)
 
 
-def test_the_main_job_lists_the_keys_that_exist(capsys):
-    # scripts/train.py calls this after Hydra refused an override, which names only the bad key
+@pytest.fixture(scope="module")
+def train_script():
     spec = importlib.util.spec_from_file_location("train_script", CONF.parent / "scripts" / "train.py")
-    train_script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_main_job_lists_the_keys_that_exist(train_script, capsys):
+    # scripts/train.py calls this after Hydra refused an override, which names only the bad key
     train_script.list_existing_keys(["strategy=ddp", "trainer.max_step=3", "strategy.offload=false", "optimizer.lr=1"])
     err = capsys.readouterr().err
     assert re.search(r"'trainer\.max_step' does not exist; trainer has: accelerator, .*, max_steps, ", err)
@@ -163,6 +168,15 @@ def test_option_types_in_python():
 class NoTraining(pl.Callback):
     def on_train_start(self, trainer, pl_module):
         raise AssertionError("training must not start")
+
+
+def test_the_main_job_names_the_optimizer_choice(train_script):
+    sgd = instantiate(compose_train("optimizer=sgd").optimizer)
+    with pytest.raises(ValueError, match=r"optimizer=sgd: strategy='zoff' .* supports torch\.optim\.AdamW, .*Lion;"):
+        train_script.check_optimizer(ZoffStrategy(), sgd, "sgd")
+    train_script.check_optimizer(DDPStrategy(), sgd, "sgd")  # other strategies run any optimizer
+    for name in ("adamw", "lion"):
+        train_script.check_optimizer(ZoffStrategy(), instantiate(compose_train(f"optimizer={name}").optimizer), name)
 
 
 def test_zoff_refuses_sgd_before_training():
