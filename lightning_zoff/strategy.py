@@ -37,6 +37,16 @@ StartMethod = Literal["subprocess", "fork", "spawn", "forkserver"]
 _ACCUM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _check_option_types(cpu_threads: Any, **flags: Any) -> None:
+    # Hydra and YAML pass what the user typed; `offload=no` must not become True by being a non-empty string.
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"ZoffStrategy({name}={value!r}): expected true or false.")
+    if cpu_threads is not None and (isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or cpu_threads < 1):
+        raise TypeError(f"ZoffStrategy(cpu_threads={cpu_threads!r}): expected a positive integer, or None for the cores"
+                        " this process may use divided by the ranks on its node.")
+
+
 class ZoffStrategy(ParallelStrategy):
     """ZeRO-3 training: FSDP2 shards parameters on the accelerator; fp32 master and optimizer state live per rank
     on the host (``offload=True``) or on the accelerator (``offload=False``).
@@ -89,6 +99,9 @@ class ZoffStrategy(ParallelStrategy):
     ) -> None:
         if start_method not in ("subprocess", "fork", "spawn", "forkserver"):
             raise ValueError(f"start_method={start_method!r}; choose 'subprocess', 'fork', 'spawn' or 'forkserver'.")
+        _check_option_types(offload=offload, pin_memory=pin_memory,
+                            retain_gpu_grad_partition_until_step=retain_gpu_grad_partition_until_step,
+                            cpu_threads=cpu_threads)
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.offload = bool(offload)
         self.wrap_policy = set(wrap_policy) if wrap_policy else None

@@ -4,7 +4,9 @@ The model is plain PyTorch with no knowledge of sharding: the strategy applies F
 outside (one unit per `Block`), so `blocks` is a ModuleList of identical blocks on purpose.
 """
 
+import functools
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import lightning.pytorch as pl
@@ -136,7 +138,15 @@ class GPT(nn.Module):
         return idx
 
 
+# Builds the optimizer from param groups: `functools.partial(torch.optim.AdamW, lr=...)`, Hydra's `_partial_: true`
+# or LightningCLI's `class_path` + `init_args` all give one.
+OptimizerFactory = Callable[[Iterable], torch.optim.Optimizer]
+
+
 class GPTModule(pl.LightningModule):
+    """The GPT with its training loop. `optimizer` builds the optimizer from two param groups (decay, no decay: the
+    second sets weight_decay=0); without it, torch.optim.AdamW from `lr`, `weight_decay`, `betas` and `eps`."""
+
     def __init__(
         self,
         vocab_size: int = 256,
@@ -153,9 +163,14 @@ class GPTModule(pl.LightningModule):
         eps: float = 1e-8,
         lr_step_size: int = 0,  # > 0: multiply the lr by lr_gamma every lr_step_size optimizer steps
         lr_gamma: float = 0.5,
+        optimizer: OptimizerFactory | None = None,
     ):
         super().__init__()
-        self.save_hyperparameters()
+        # a factory is code, not a hyperparameter: checkpoints must load without it
+        self.save_hyperparameters(ignore=["optimizer"])
+        self.optimizer_factory = optimizer or functools.partial(
+            torch.optim.AdamW, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay
+        )
         self.model = GPT(
             GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout, bias, tie_weights)
         )
@@ -196,16 +211,8 @@ class GPTModule(pl.LightningModule):
                 continue
             is_matrix = p.dim() >= 2 and id(p) not in embedding_params
             (decay if is_matrix else no_decay).append(p)
+        optimizer = self.optimizer_factory([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}])
         hp = self.hparams
-        optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": hp.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=hp.lr,
-            betas=tuple(hp.betas),
-            eps=hp.eps,
-        )
         if hp.lr_step_size <= 0:
             return optimizer
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=hp.lr_step_size, gamma=hp.lr_gamma)

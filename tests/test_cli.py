@@ -1,0 +1,54 @@
+"""lightning_zoff.cli with the YAML files in conf/cli/: the strategy by name (run as a user runs it) and as a class."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_zoff import ZoffStrategy
+from lightning_zoff.cli import main
+from lightning_zoff.examples.corpus import CorpusDataModule
+from lightning_zoff.examples.gpt import GPTModule
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = ROOT / "conf" / "cli"
+
+
+def test_fit_from_yaml_with_the_strategy_name(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    # Lightning starts rank 1 by re-running this command: every rank reads the same files
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_zoff.cli", "fit", "--config", str(CLI / "gpt_tiny.yaml"),
+         "--trainer.max_steps=3"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    assert "zoff rank 0:" in out and "zoff rank 1:" in out  # both ranks set up the offload engine
+    assert "`Trainer.fit` stopped: `max_steps=3` reached." in out
+    config = yaml.safe_load((tmp_path / "lightning_logs" / "version_0" / "config.yaml").read_text())
+    assert config["trainer"]["strategy"] == "zoff" and config["trainer"]["max_steps"] == 3
+
+
+def test_class_path_variant_sets_the_options():
+    cli = main(["--config", str(CLI / "gpt_tiny.yaml"), "--config", str(CLI / "zoff_class_path.yaml"),
+                "--trainer.strategy.init_args.grad_accum_on=accelerator", "--trainer.logger=false"], run=False)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, ZoffStrategy)
+    assert (strategy.offload, strategy.start_method, strategy.grad_accum_on) == (True, "fork", "accelerator")
+    assert cli.trainer.max_steps == 200 and cli.trainer.num_devices == 2  # the rest of gpt_tiny.yaml still holds
+    assert isinstance(cli.model, GPTModule) and isinstance(cli.datamodule, CorpusDataModule)
+    optimizer = cli.model.configure_optimizers()
+    assert type(optimizer).__name__ == "AdamW" and optimizer.defaults["lr"] == 1e-3
+
+
+def test_wrong_option_type_names_the_key(capsys):
+    with pytest.raises(SystemExit):
+        main(["--config", str(CLI / "gpt_tiny.yaml"), "--config", str(CLI / "zoff_class_path.yaml"),
+              "--trainer.strategy.init_args.offload=maybe"], run=False)
+    assert re.search(r'Parser key "offload":\s+Expected a <class \'bool\'>\. Got value: maybe', capsys.readouterr().err)

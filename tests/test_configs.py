@@ -1,0 +1,190 @@
+"""Every Hydra config in conf/ composes, the cheap ones build, and bad input stops with a message naming the key and
+the choices."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException, InstantiationException
+from hydra.utils import instantiate
+from lightning.fabric.utilities.imports import RequirementCache
+from lightning.pytorch.strategies import DDPStrategy
+from omegaconf import OmegaConf
+from torch.multiprocessing import ProcessRaisedException
+
+import lightning_zoff.optim
+from lightning_zoff import ZoffStrategy
+from lightning_zoff.examples.corpus import CorpusDataModule, SyntheticDataModule
+from lightning_zoff.examples.gpt import Block, GPTModule
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+# every option of every group (conf/cli/ is LightningCLI's, not Hydra's)
+OPTIONS = sorted((p.parent.name, p.stem) for p in CONF.glob("*/*.yaml") if p.parent.name != "cli")
+
+
+def compose_train(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("group,name", OPTIONS, ids=[f"{g}={n}" for g, n in OPTIONS])
+def test_every_option_composes(group, name):
+    cfg = compose_train(f"{group}={name}")
+    OmegaConf.resolve(cfg)  # every interpolation (data.block_size -> model.block_size, ...) has a target
+    assert cfg.keys() >= {"trainer", "strategy", "model", "data", "optimizer", "seed", "sample"}
+
+
+def test_trainer_options():
+    cpu, gpu = compose_train("trainer=cpu").trainer, compose_train("trainer=gpu").trainer
+    assert (cpu.accelerator, cpu.devices, gpu.accelerator, gpu.precision) == ("cpu", 2, "gpu", "bf16-mixed")
+    assert cpu.max_steps == gpu.max_steps == 200  # both from trainer/default.yaml
+    trainer = pl.Trainer(**OmegaConf.to_container(cpu), strategy="zoff", logger=False)
+    assert trainer.max_steps == 200 and trainer.num_devices == 2
+
+
+@pytest.mark.parametrize("name,offload", [("zoff", True), ("zoff_no_offload", False)])
+def test_zoff_strategies_build_with_every_option(name, offload):
+    cfg = compose_train(f"strategy={name}")
+    strategy = instantiate(cfg.strategy)
+    assert isinstance(strategy, ZoffStrategy) and strategy.offload is offload
+    # the yaml lists every keyword option of ZoffStrategy, so `--cfg job` shows them all
+    keyword_options = set(ZoffStrategy.__init__.__kwdefaults__) - {"timeout"}
+    assert set(cfg.strategy) - {"_target_"} == keyword_options
+    assert (strategy.start_method, strategy.pin_memory, strategy.grad_accum_on) == ("fork", True, "host")
+
+
+def test_wrap_policy_takes_classes_from_the_command_line():
+    cfg = compose_train("strategy.wrap_policy=[{_target_:hydra.utils.get_class,path:lightning_zoff.examples.gpt.Block}]")
+    assert instantiate(cfg.strategy).wrap_policy == {Block}
+
+
+def test_ddp_and_deepspeed_strategies():
+    assert isinstance(instantiate(compose_train("strategy=ddp").strategy), DDPStrategy)
+    cfg = compose_train("strategy=deepspeed_zero3_offload", "optimizer=deepspeed_cpu_adam").strategy
+    assert (cfg.stage, cfg.offload_optimizer, cfg.offload_optimizer_device, cfg.pin_memory) == (3, True, "cpu", True)
+    if RequirementCache("deepspeed"):
+        pytest.skip("deepspeed is installed: the missing-package message cannot be checked here")
+    with pytest.raises(InstantiationException, match="DeepSpeedStrategy.*must have DeepSpeed installed"):
+        instantiate(cfg)
+
+
+def test_gpt_tiny_builds_and_the_large_models_have_their_sizes():
+    tiny = instantiate(compose_train().model)
+    assert isinstance(tiny, GPTModule) and 0.8e6 < tiny.model.num_params() < 1e6
+    for name, low, high in [("gpt_125m", 123e6, 126e6), ("gpt_1b", 1.33e9, 1.35e9), ("gpt_7b", 6.6e9, 6.8e9)]:
+        with torch.device("meta"):  # shapes only: nothing is allocated
+            model = instantiate(compose_train(f"model={name}").model)
+        assert low < model.model.num_params() < high, name
+    big = compose_train("model=gpt_1b").model
+    assert (big.n_embd, big.n_layer, big.n_head, big.block_size, big.vocab_size) == (2048, 24, 16, 1024, 32000)
+
+
+def test_data_follows_the_model():
+    corpus = instantiate(compose_train("model=gpt_1b").data)
+    assert isinstance(corpus, CorpusDataModule) and corpus.block_size == 1024
+    synthetic = instantiate(compose_train("data=synthetic", "model=gpt_125m").data)
+    assert isinstance(synthetic, SyntheticDataModule) and (synthetic.vocab_size, synthetic.block_size) == (50304, 1024)
+
+
+@pytest.mark.parametrize("name,kind", [("adamw", torch.optim.AdamW), ("lion", lightning_zoff.optim.Lion),
+                                       ("sgd", torch.optim.SGD)])
+def test_optimizers_are_factories_of_the_model(name, kind):
+    cfg = compose_train(f"optimizer={name}", "optimizer.lr=0.02")
+    model = instantiate(cfg.model, optimizer=instantiate(cfg.optimizer))
+    optimizer = model.configure_optimizers()
+    assert type(optimizer) is kind
+    decay, no_decay = optimizer.param_groups
+    assert decay["lr"] == no_decay["lr"] == 0.02
+    assert decay["weight_decay"] == cfg.optimizer.weight_decay and no_decay["weight_decay"] == 0.0
+    assert all(type(b) is float for b in decay.get("betas", ()))  # plain values, not OmegaConf nodes
+
+
+def test_bench_experiment():
+    cfg = compose_train("experiment=bench")
+    assert cfg.model.n_embd == 2048 and cfg.data._target_.endswith("SyntheticDataModule")
+    assert (cfg.trainer.accelerator, cfg.trainer.precision, cfg.data.batch_size) == ("gpu", "bf16-mixed", 8)
+    assert (cfg.optimizer.lr, cfg.trainer.gradient_clip_val, cfg.save_checkpoint) == (1e-4, 1.0, False)
+
+
+# -- bad input -----------------------------------------------------------------------------------------------------
+
+
+def test_unknown_key_is_named():
+    with pytest.raises(ConfigCompositionException, match=r"Could not override 'trainer\.max_step'") as err:
+        compose_train("trainer.max_step=3")
+    assert "Key 'max_step' is not in struct" in str(err.value.__cause__)
+
+
+@pytest.fixture(scope="module")
+def train_script():
+    spec = importlib.util.spec_from_file_location("train_script", CONF.parent / "scripts" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_main_job_lists_the_keys_that_exist(train_script, capsys):
+    # scripts/train.py calls this after Hydra refused an override, which names only the bad key
+    train_script.list_existing_keys(["strategy=ddp", "trainer.max_step=3", "strategy.offload=false", "optimizer.lr=1"])
+    err = capsys.readouterr().err
+    assert re.search(r"'trainer\.max_step' does not exist; trainer has: accelerator, .*, max_steps, ", err)
+    assert "'strategy.offload' does not exist; strategy has: _target_, start_method\n" in err  # ddp's keys
+    assert "optimizer" not in err
+
+
+def test_unknown_option_lists_the_options():
+    with pytest.raises(ConfigCompositionException, match=r"(?s)Could not find 'strategy/zof'.*Available options in "
+                                                         r"'strategy':.*ddp.*deepspeed_zero3_offload.*zoff"):
+        compose_train("strategy=zof")
+
+
+@pytest.mark.parametrize("override,message", [
+    ("strategy.offload=maybe", r"ZoffStrategy\(offload='maybe'\): expected true or false"),
+    ("strategy.pin_memory=1", r"ZoffStrategy\(pin_memory=1\): expected true or false"),
+    ("strategy.cpu_threads=two", r"ZoffStrategy\(cpu_threads='two'\): expected a positive integer, or None"),
+    ("strategy.grad_accum_on=gpu", r"grad_accum_on='gpu'; choose 'host' or 'accelerator'"),
+    ("strategy.start_method=thread", r"start_method='thread'; choose 'subprocess', 'fork', 'spawn' or 'forkserver'"),
+])
+def test_strategy_option_of_the_wrong_kind(override, message):
+    with pytest.raises(InstantiationException, match=message):
+        instantiate(compose_train(override).strategy)
+
+
+def test_option_types_in_python():
+    for bad in (0, True, 1.5, "2"):
+        with pytest.raises(TypeError, match="cpu_threads"):
+            ZoffStrategy(cpu_threads=bad)
+    with pytest.raises(TypeError, match=r"retain_gpu_grad_partition_until_step=None"):
+        ZoffStrategy(retain_gpu_grad_partition_until_step=None)
+    assert ZoffStrategy(cpu_threads=3, offload=False).cpu_threads == 3
+
+
+class NoTraining(pl.Callback):
+    def on_train_start(self, trainer, pl_module):
+        raise AssertionError("training must not start")
+
+
+def test_the_main_job_names_the_optimizer_choice(train_script):
+    sgd = instantiate(compose_train("optimizer=sgd").optimizer)
+    with pytest.raises(ValueError, match=r"optimizer=sgd: strategy='zoff' .* supports torch\.optim\.AdamW, .*Lion;"):
+        train_script.check_optimizer(ZoffStrategy(), sgd, "sgd")
+    train_script.check_optimizer(DDPStrategy(), sgd, "sgd")  # other strategies run any optimizer
+    for name in ("adamw", "lion"):
+        train_script.check_optimizer(ZoffStrategy(), instantiate(compose_train(f"optimizer={name}").optimizer), name)
+
+
+def test_zoff_refuses_sgd_before_training():
+    cfg = compose_train("optimizer=sgd", "model.n_layer=1", "data.max_bytes=100000")
+    trainer = pl.Trainer(**OmegaConf.to_container(cfg.trainer), strategy=instantiate(cfg.strategy), logger=False,
+                         callbacks=[NoTraining()], enable_progress_bar=False, enable_model_summary=False)
+    model = instantiate(cfg.model, optimizer=instantiate(cfg.optimizer))
+    with pytest.raises((TypeError, ProcessRaisedException),
+                       match=r"supports torch\.optim\.AdamW, .*lightning_zoff\.optim\.Lion; configure_optimizers "
+                             r"returned torch\.optim\.sgd\.SGD"):
+        trainer.fit(model, datamodule=instantiate(cfg.data))

@@ -1,0 +1,68 @@
+"""scripts/train.py as a user runs it: one job, and a sweep whose jobs each fork their own two ranks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from lightning_zoff.examples.gpt import GPTModule
+
+ROOT = Path(__file__).resolve().parents[1]
+# smaller than the defaults, so the runs stay short: less corpus to read, a shorter sample
+SMALL = ["data.max_bytes=400000", "sample.max_new_tokens=16"]
+
+
+def train(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def load_weights(checkpoint: Path) -> tuple[int, dict[str, torch.Tensor]]:
+    ckpt = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    module = GPTModule()  # gpt_tiny's shape: the checkpoint holds the plain model's full fp32 weights
+    module.load_state_dict(ckpt["state_dict"])
+    return ckpt["global_step"], ckpt["state_dict"]
+
+
+def is_png(path: Path) -> bool:
+    return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_one_job(tmp_path):
+    proc = train(tmp_path, "trainer.max_steps=3", *SMALL)
+    out = proc.stdout
+    assert "Starting with 2 processes" in out + proc.stderr
+    assert "Epoch 0: 100%" in out  # Lightning's progress bar (on stdout)
+    breakdown = out[out.index("step breakdown (rank 0, steps 2-3, mean per step)"):]
+    for phase in ("forward", "backward", "exposed optimizer", "cpu update", "host traffic"):
+        assert f"\n  {phase} " in breakdown, phase
+    checkpoint = Path(out.split("checkpoint: ")[1].split("\n")[0])
+    run_dir = checkpoint.parents[1]
+    assert run_dir.parent.parent == tmp_path / "outputs"  # outputs/<date>/<time>/
+    step, weights = load_weights(checkpoint)
+    assert step == 3 and all(w.dtype == torch.float32 for w in weights.values())
+    assert is_png(run_dir / "loss.png")
+    sample = out.split(" sample ")[1].split("\n", 1)[1]
+    assert sample.startswith("def ")
+
+
+def test_sweep_runs_each_job_in_its_own_directory(tmp_path):
+    proc = train(tmp_path, "-m", "trainer.max_steps=2", "optimizer.lr=1e-3,2e-3", *SMALL)
+    jobs = sorted((tmp_path / "multirun").glob("*/*/[0-9]"))
+    assert [job.name for job in jobs] == ["0", "1"], proc.stdout[-2000:]
+    weights = []
+    for job, lr in zip(jobs, ("0.001", "0.002")):
+        assert f"optimizer.lr={lr}" in (job / ".hydra" / "overrides.yaml").read_text()
+        step, state = load_weights(job / "checkpoints" / "last.ckpt")
+        assert step == 2 and is_png(job / "loss.png")
+        weights.append(state)
+    # both jobs trained from the same seed, so only the learning rate can tell their weights apart
+    assert not torch.equal(weights[0]["model.blocks.0.mlp.fc.weight"], weights[1]["model.blocks.0.mlp.fc.weight"])
+    assert proc.stdout.count("step breakdown (rank 0") == 2
