@@ -34,6 +34,7 @@ MODELS = {
 ZOFF_VARIANTS = {
     "zoff": {},
     "zoff_sync": dict(overlap=False),
+    "zoff_16_threads": dict(cpu_threads=16),  # every core to the kernels, none kept for the training thread
     "zoff_accum_host": dict(grad_accum_on="host"),
     "zoff_accum_gpu": dict(grad_accum_on="accelerator"),
     "zoff_accum_gpu_retained": dict(grad_accum_on="accelerator", retain_gpu_grad_partition_until_step=True),

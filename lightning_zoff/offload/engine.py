@@ -27,6 +27,7 @@ The kernels, their inputs and the order of every sum are the same, so both paths
 from __future__ import annotations
 
 import math
+import sys
 import threading
 from contextlib import nullcontext
 import time
@@ -46,6 +47,7 @@ from lightning_zoff.optim.update import update
 # Worker priorities: landings first (the step waits for every sum of squares), then finalizing (the next forward
 # waits), speculation last (it only fills idle time).
 _LAND, _FINALIZE, _SPECULATE = 0, 1, 2
+_SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass
@@ -182,6 +184,10 @@ class OffloadEngine:
         self.copy_stream = torch.cuda.Stream(self.param_device) if on_cuda else None  # D2H, FSDP2's hook runs here
         self.h2d_stream = torch.cuda.Stream(self.param_device) if on_cuda else None
         self.worker = HostWorker() if self.overlap else None
+        if self.worker is not None:
+            # The worker needs the GIL for a moment between kernels; by default Python hands it over only every
+            # 5 ms, and a unit's landing and update are several calls. Hand it over 10x sooner.
+            sys.setswitchinterval(min(sys.getswitchinterval(), _SWITCH_INTERVAL_S))
         self._window = 0  # accumulation windows decided so far
         self._landings = 0  # landings handed to the worker and not yet done
         self._landings_lock = threading.Lock()  # counted up in backward's thread, down in the worker
