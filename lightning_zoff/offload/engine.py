@@ -276,7 +276,9 @@ class OffloadEngine:
         if self.worker is not None:
             with self._landings_lock:
                 self._landings += 1
-            self.worker.submit(_LAND, lambda: self._land(unit, window_ends))
+            event = unit.grad_copied
+            self.worker.submit(_LAND, lambda: self._land(unit, window_ends),
+                               ready=None if event is None else event.query)
 
     def _accumulate_on_accelerator(self, unit: HostUnit, flat_grad: torch.Tensor, window_ends: bool) -> None:
         # The window's sum lives in an accelerator buffer; the host sees it once, at the window's end. Unless

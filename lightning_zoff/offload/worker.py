@@ -1,12 +1,15 @@
 """One background thread that runs the engine's host work in priority order while the accelerator computes.
 
-The kernels release the GIL, so the thread runs beside the training loop's Python. An error in a task is kept and
-raised in the training thread at its next call into the worker, so nothing fails silently in the background.
+A task may say when it is ready (a gradient copy that has not finished yet): the thread then runs the most urgent
+task that is ready, and blocks inside a task only when none is, so it never idles waiting for the accelerator
+while other work is queued. The kernels release the GIL, so the thread runs beside the training loop's Python.
+An error in a task is kept and raised in the training thread at its next call into the worker, so nothing fails
+silently in the background.
 """
 
 from __future__ import annotations
 
-import heapq
+import bisect
 import itertools
 import threading
 from collections.abc import Callable
@@ -14,7 +17,7 @@ from collections.abc import Callable
 
 class HostWorker:
     def __init__(self, name: str = "zoff-host-worker") -> None:
-        self._tasks: list[tuple[int, int, Callable[[], None]]] = []
+        self._tasks: list[tuple[int, int, Callable[[], None], Callable[[], bool] | None]] = []  # sorted
         self._order = itertools.count()  # first in, first out within a priority
         self._cond = threading.Condition()
         self._busy = False
@@ -23,11 +26,11 @@ class HostWorker:
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, priority: int, task: Callable[[], None]) -> None:
-        """Queue `task`; lower `priority` runs first."""
+    def submit(self, priority: int, task: Callable[[], None], ready: Callable[[], bool] | None = None) -> None:
+        """Queue `task`; lower `priority` runs first, among the tasks whose `ready()` holds."""
         self.raise_error()
         with self._cond:
-            heapq.heappush(self._tasks, (priority, next(self._order), task))
+            bisect.insort(self._tasks, (priority, next(self._order), task, ready), key=lambda t: t[:2])
             self._cond.notify_all()
 
     def wait_until(self, predicate: Callable[[], bool]) -> None:
@@ -60,7 +63,8 @@ class HostWorker:
                 self._cond.wait_for(lambda: self._tasks or self._closed)
                 if self._closed:
                     return
-                _, _, task = heapq.heappop(self._tasks)
+                index = next((i for i, t in enumerate(self._tasks) if t[3] is None or t[3]()), 0)
+                task = self._tasks.pop(index)[2]  # none ready: the most urgent, which waits inside
                 self._busy = True
             try:
                 task()

@@ -1,0 +1,37 @@
+"""The host worker: priority order among ready tasks, no idling behind a task that is not ready, errors surface."""
+
+import threading
+
+import pytest
+
+from lightning_zoff.offload.worker import HostWorker
+
+
+def test_runs_ready_work_before_a_task_that_waits_and_keeps_priority_order():
+    worker, order = HostWorker(), []
+    gate = threading.Event()
+    hold = threading.Event()
+    worker.submit(0, lambda: hold.wait())  # keep the thread busy while the queue fills
+    worker.submit(0, lambda: order.append("land"), ready=gate.is_set)  # most urgent, not ready yet
+    worker.submit(2, lambda: (order.append("speculate"), gate.set()))
+    worker.submit(1, lambda: order.append("finalize"))
+    hold.set()
+    worker.wait_idle()
+    # finalize and speculate were ready while land was not; land ran as soon as it was, ahead of the rest
+    assert order == ["finalize", "speculate", "land"]
+
+
+def test_a_task_that_never_becomes_ready_runs_when_nothing_else_can():
+    worker, order = HostWorker(), []
+    worker.submit(0, lambda: order.append("waits inside"), ready=lambda: False)
+    worker.wait_idle()
+    assert order == ["waits inside"]
+
+
+def test_an_error_in_the_worker_reaches_the_caller():
+    worker = HostWorker()
+    worker.submit(0, lambda: 1 / 0)
+    with pytest.raises(RuntimeError, match="host worker failed"):
+        worker.wait_idle()
+    worker.submit(0, lambda: None)  # the worker goes on after reporting
+    worker.wait_idle()
