@@ -294,6 +294,10 @@ class OffloadEngine:
         traffic, self.traffic = self.traffic, Traffic()
         return traffic
 
+    def wait_idle(self) -> None:
+        """Block until no update is in flight (the synchronous engine has none)."""
+        return
+
     def _close_window(self) -> None:
         for unit in self.units:
             unit.has_grad = unit.grad_in_staging = False
