@@ -88,7 +88,8 @@ def _data_offsets(path: Path, nbytes: list[int]) -> list[int]:
                 raise RuntimeError(f"{path}: record data/{key} holds {info.file_size} bytes, tensor {key} has {size}")
             f.seek(info.header_offset)
             signature, _, name_len, extra_len = _LOCAL_HEADER.unpack(f.read(_LOCAL_HEADER.size))
-            assert signature == b"PK\x03\x04"
+            if signature != b"PK\x03\x04":
+                raise RuntimeError(f"{path}: no zip entry header at byte {info.header_offset}")
             offsets.append(info.header_offset + _LOCAL_HEADER.size + name_len + extra_len)
     return offsets
 

@@ -20,11 +20,12 @@ from torch.multiprocessing import ProcessRaisedException
 
 from lightning_zoff import ZoffPrecision, ZoffStrategy
 from lightning_zoff.checkpoint_files import CheckpointError, recover
+from lightning_zoff.consolidate import consolidate
 from resume_run import SaveBatch, resume_fit
 from tiny import TinyLM, TinyModule, token_loader
 
 REPO = Path(__file__).parents[1]
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 STEP6 = "epoch=0-step=6.ckpt"
 
 
@@ -68,7 +69,9 @@ def test_top_k_and_last_keep_whole_directories(run):
 def consolidated(run, tmp_path_factory):
     """The step-6 checkpoint through `python -m lightning_zoff.consolidate`: its weights."""
     out = tmp_path_factory.mktemp("consolidated") / "model.pt"
-    cmd = [sys.executable, "-m", "lightning_zoff.consolidate", str(run[0] / "ck" / STEP6), str(out), "--no-progress"]
+    # --buffer-mb 0: one tensor per read, so the batching and the placement of every tensor in the file are exercised
+    cmd = [sys.executable, "-m", "lightning_zoff.consolidate", str(run[0] / "ck" / STEP6), str(out), "--buffer-mb", "0",
+           "--no-progress"]
     result = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return torch.load(out, weights_only=True)
@@ -191,6 +194,15 @@ def test_damaged_or_foreign_checkpoints_are_refused(run, tmp_path, damage, modul
     message = str(err.value)
     assert isinstance(err.value, CheckpointError) or "CheckpointError" in message
     assert str(named) in message and re.search(problem, message)  # names the file and what is wrong with it
+
+def test_consolidate_refuses_a_truncated_checkpoint(run, tmp_path):
+    ckpt = tmp_path / "copy.ckpt"
+    shutil.copytree(run[0] / "ck" / STEP6, ckpt)
+    truncate(ckpt / "__0_0.distcp")
+    with pytest.raises(CheckpointError, match=r"copy\.ckpt/__0_0\.distcp: truncated"):
+        consolidate(ckpt, tmp_path / "model.pt", progress=False)
+    assert not (tmp_path / "model.pt").exists()
+
 
 def test_a_replacement_cut_between_its_renames_is_recovered(tmp_path):
     path = tmp_path / "last.ckpt"
