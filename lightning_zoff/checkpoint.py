@@ -1,40 +1,221 @@
-"""Full (unsharded) fp32 state dicts gathered from the engine's master shards."""
+"""What a checkpoint holds, by the LightningModule's own parameter names: the engine's fp32 master weights and
+optimizer moments, either as sharded views (DTensors over this rank's rows, which torch.distributed.checkpoint
+reshards to any world size) or gathered whole; and the restore of both into the engine and the model's
+16-bit shards.
+
+Optimizer state follows torch's layout keyed by name: ``{"state": {name: {"exp_avg", "exp_avg_sq", "step"}},
+"param_groups": [{..., "params": [names]}]}``.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
 
 from lightning_zoff.offload import OffloadEngine
-
+from lightning_zoff.offload.engine import HostUnit, Segment
+from lightning_zoff.offload.layout import ParamSlot
+from lightning_zoff.sharding import local_chunk
 
 # torch 2.13 renamed all_gather_into_tensor (2.11 has only the old name)
 _all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    name: str  # the first of its names; tied parameters have several
+    slot: ParamSlot
+    unit: HostUnit
+    segment: Segment | None  # None: not in the optimizer, so it has no optimizer state
+
+    def rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's unpadded rows of the parameter inside one of the unit's flat host buffers (a view)."""
+        return flat[self.slot.offset : self.slot.offset + self.slot.numel].view(self.slot.local.shape)
+
+
+def param_names(module: nn.Module) -> dict[int, list[str]]:
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
+def param_entries(module: nn.Module, engine: OffloadEngine) -> Iterator[tuple[list[str], ParamEntry]]:
+    names = param_names(module)
+    for unit in engine.units:
+        updated = {id(s.param) for s in unit.updated_slots}
+        for slot in unit.layout.slots:
+            segment = next((s for s in unit.segments if s.start <= slot.offset < s.end), None)
+            if id(slot.param) not in updated:
+                segment = None
+            all_names = names[id(slot.param)]
+            yield all_names, ParamEntry(all_names[0], slot, unit, segment)
+
+
+def state_mesh(engine: OffloadEngine) -> DeviceMesh:
+    """A 1-D mesh over all ranks on the device of the engine's state (the host, unless offload=False)."""
+    return init_device_mesh(engine.state_device.type, (engine.world_size,))
+
+
+def _sharded(local: torch.Tensor, param: nn.Parameter, mesh: DeviceMesh) -> DTensor:
+    # FSDP2 and DTensor cut dim 0 alike (torch.chunk), so this rank's rows are its Shard(0) of the global tensor
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride())
+
+
+def sharded_model_state(module: nn.Module, engine: OffloadEngine, mesh: DeviceMesh) -> dict[str, torch.Tensor]:
+    """The module's state dict: each parameter a DTensor viewing this rank's fp32 master rows, buffers as they are.
+    Views, not copies: loading into them restores the master in place."""
+    params: dict[str, torch.Tensor] = {}
+    for names, entry in param_entries(module, engine):
+        tensor = _sharded(entry.rows(entry.unit.master), entry.slot.param, mesh)
+        params.update((name, tensor) for name in names)
+    return _with_buffers(module, params)
+
+
+def sharded_optimizer_state(
+    module: nn.Module, engine: OffloadEngine, optimizer: torch.optim.Optimizer, mesh: DeviceMesh
+) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    for _, entry in param_entries(module, engine):
+        if entry.segment is None:
+            continue
+        moments = {key: getattr(entry.unit, key) for key in MOMENTS if getattr(entry.unit, key) is not None}
+        state[entry.name] = {key: _sharded(entry.rows(flat), entry.slot.param, mesh) for key, flat in moments.items()}
+        state[entry.name]["step"] = torch.tensor(entry.segment.step, dtype=torch.int64)
+    return {"state": state, "param_groups": named_param_groups(module, optimizer)}
+
+
+def named_param_groups(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    names = param_names(module)
+    return [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)][0] for p in g["params"]]}
+            for g in optimizer.param_groups]
+
+
+def _with_buffers(module: nn.Module, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # the module's own key order; buffers are replicated (FSDP2 does not shard them)
+    return {key: params[key] if key in params else value.detach() for key, value in module.state_dict().items()}
+
+
+def _gather_rows(entry: ParamEntry, gathered: torch.Tensor) -> torch.Tensor:
+    """One parameter's global tensor from the all-gathered flat buffers of its unit (one row of flat per rank)."""
+    shape = entry.slot.param.shape
+    rows = gathered[:, entry.slot.offset : entry.slot.offset + entry.slot.padded_numel].reshape(-1, *shape[1:])
+    return rows[: shape[0]].reshape(shape).clone() if len(shape) else rows.reshape(()).clone()
+
+
+def _gather_flat(flat: torch.Tensor, world_size: int) -> torch.Tensor:
+    flat = flat.cpu()
+    gathered = torch.empty(world_size * flat.numel(), dtype=flat.dtype)
+    if world_size > 1:
+        _all_gather_flat(gathered, flat)
+    else:
+        gathered.copy_(flat)
+    return gathered.view(world_size, -1)
 
 
 def full_state_dict(module: nn.Module, engine: OffloadEngine) -> dict[str, torch.Tensor]:
     """The module's state dict with every parameter as its full fp32 master on the CPU. A collective: every rank
     calls it and gets the whole dict."""
-    names: dict[int, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    full: dict[str, torch.Tensor] = {}
-    for unit in engine.units:
-        master = unit.master.cpu()
-        gathered = torch.empty(engine.world_size * master.numel(), dtype=master.dtype)
-        if engine.world_size > 1:
-            _all_gather_flat(gathered, master)
-        else:
-            gathered.copy_(master)
-        per_rank = gathered.view(engine.world_size, -1)
-        for slot in unit.layout.slots:
-            shape = slot.param.shape
-            rows = per_rank[:, slot.offset : slot.offset + slot.padded_numel].reshape(-1, *shape[1:])
-            tensor = rows[: shape[0]].reshape(shape).clone() if len(shape) else rows.reshape(()).clone()
-            for name in names[id(slot.param)]:
-                full[name] = tensor
+    return _with_buffers(module, _gathered(module, engine, "master", with_optimizer_only=False))
+
+
+def full_optimizer_state(module: nn.Module, engine: OffloadEngine, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer state with whole (gathered) moments, by parameter name. A collective."""
+    moments = {key: _gathered(module, engine, key, with_optimizer_only=True) for key in MOMENTS
+               if all(getattr(u, key) is not None for u in engine.units)}
     state = {}
-    for key, value in module.state_dict().items():
-        state[key] = full[key] if key in full else value.detach().cpu().clone()
-    return state
+    for _, entry in param_entries(module, engine):
+        if entry.segment is not None:
+            state[entry.name] = {key: tensors[entry.name] for key, tensors in moments.items()}
+            state[entry.name]["step"] = torch.tensor(entry.segment.step, dtype=torch.int64)
+    return {"state": state, "param_groups": named_param_groups(module, optimizer)}
+
+
+def _gathered(module: nn.Module, engine: OffloadEngine, key: str, with_optimizer_only: bool) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    entries = list(param_entries(module, engine))
+    for unit in engine.units:
+        gathered = _gather_flat(getattr(unit, key), engine.world_size)
+        for names, entry in entries:
+            if entry.unit is unit and not (with_optimizer_only and entry.segment is None):
+                tensor = _gather_rows(entry, gathered)
+                out.update((name, tensor) for name in names)
+    return out
+
+
+def fill_from_full(targets: dict[str, Any], full: dict[str, Any], world_size: int, rank: int) -> None:
+    """Copy this rank's rows of each whole tensor in `full` into the (sharded or plain) tensor at the same key of
+    `targets`, recursing into dicts; the counterpart of a sharded load for a checkpoint saved whole."""
+    for key, target in targets.items():
+        if isinstance(target, dict):
+            fill_from_full(target, full[key], world_size, rank)
+        elif isinstance(target, DTensor):
+            target.to_local().copy_(local_chunk(full[key], world_size, rank))
+        elif isinstance(target, torch.Tensor):
+            target.copy_(full[key])
+
+
+@torch.no_grad()
+def finish_restore(module: nn.Module, engine: OffloadEngine, optimizer: torch.optim.Optimizer | None,
+                   optimizer_state: dict[str, Any] | None) -> None:
+    """After the masters (and moments) were written in place: restore step counts and param-group settings, then
+    refresh the 16-bit copies so the model's parameters equal the cast of the restored master."""
+    if optimizer is not None and optimizer_state is not None:
+        _restore_steps(module, engine, optimizer_state["state"])
+        _restore_param_groups(optimizer, optimizer_state["param_groups"])
+    for unit in engine.units:
+        if unit.params_copied is not None:
+            unit.params_copied.synchronize()
+        if unit.param_staging is not unit.master:
+            unit.param_staging.copy_(unit.master)
+        for slot in unit.layout.slots:
+            local = slot.local
+            local.copy_(unit.param_staging[slot.offset : slot.offset + slot.numel].view_as(local))
+
+
+def _restore_steps(module: nn.Module, engine: OffloadEngine, state: dict[str, Any]) -> None:
+    steps: dict[int, set[int]] = {}
+    for _, entry in param_entries(module, engine):
+        if entry.segment is not None:
+            steps.setdefault(id(entry.segment), set()).add(int(state[entry.name]["step"]))
+    for unit in engine.units:
+        for seg in unit.segments:
+            found = steps.get(id(seg), set())
+            if len(found) != 1:
+                raise ValueError(f"parameters updated together hold different step counts {sorted(found)}")
+            seg.step = found.pop()
+
+
+def _restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]]) -> None:
+    if len(saved) != len(optimizer.param_groups):
+        raise ValueError(f"the checkpoint has {len(saved)} optimizer param groups, configure_optimizers"
+                         f" returned {len(optimizer.param_groups)}")
+    for group, saved_group in zip(optimizer.param_groups, saved):
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
+
+
+
+def weight_targets(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Fresh fp32 tensors sharded like the module's parameters (and its buffers), to load weights into when there
+    is no engine (validate/test/predict from a checkpoint)."""
+    names = param_names(module)
+    params: dict[str, torch.Tensor] = {}
+    for p in module.parameters():
+        target = torch.zeros_like(p.detach(), dtype=torch.float32)
+        params.update((name, target) for name in names[id(p)])
+    return _with_buffers(module, params)
+
+
+@torch.no_grad()
+def apply_weights(module: nn.Module, targets: dict[str, torch.Tensor]) -> None:
+    for name, p in module.named_parameters():
+        loaded = targets[name]
+        p.to_local().copy_(loaded.to_local() if isinstance(loaded, DTensor) else loaded)

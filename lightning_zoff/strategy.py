@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -14,6 +15,7 @@ from lightning.fabric.utilities.distributed import _distributed_is_initialized, 
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -23,7 +25,11 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from lightning_zoff.checkpoint import full_state_dict
+from lightning_zoff import checkpoint_files
+from lightning_zoff.checkpoint import (
+    apply_weights, finish_restore, fill_from_full, full_optimizer_state, full_state_dict, sharded_model_state,
+    sharded_optimizer_state, state_mesh, weight_targets,
+)
 from lightning_zoff.launchers import ZoffMultiProcessingLauncher
 from lightning_zoff.offload import OffloadEngine, StepOutcome, describe_memory
 from lightning_zoff.precision import ZoffPrecision
@@ -73,6 +79,9 @@ class ZoffStrategy(ParallelStrategy):
             each unit's next forward waits only for its own parameters. Same bits as ``overlap=False`` (the
             synchronous path), for 12 B/param more host memory (the spare state the speculation writes into).
         process_group_backend: default ``"cpu:gloo,cuda:nccl"`` on GPU (host tensors need gloo), ``"gloo"`` on CPU.
+        state_dict_type: ``"sharded"``: checkpoints are directories in which every rank writes its own rows of the
+            fp32 master weights and optimizer state (torch.distributed.checkpoint), resumable at any world size;
+            ``"full"``: one file from rank 0 with whole tensors, loadable without zoff (gathered on every rank).
     """
 
     strategy_name = "zoff"
@@ -96,6 +105,7 @@ class ZoffStrategy(ParallelStrategy):
         overlap: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        state_dict_type: Literal["sharded", "full"] = "sharded",
     ) -> None:
         if start_method not in ("subprocess", "fork", "spawn", "forkserver"):
             raise ValueError(f"start_method={start_method!r}; choose 'subprocess', 'fork', 'spawn' or 'forkserver'.")
@@ -113,6 +123,10 @@ class ZoffStrategy(ParallelStrategy):
         if grad_accum_on not in ("host", "accelerator"):
             raise ValueError(f"grad_accum_on={grad_accum_on!r}; choose 'host' or 'accelerator'.")
         self.grad_accum_on = grad_accum_on
+        if state_dict_type not in ("sharded", "full"):
+            raise ValueError(f"state_dict_type={state_dict_type!r}; choose 'sharded' or 'full'.")
+        self.state_dict_type = state_dict_type
+        self._state_mesh: Any = None
         self.cpu_threads = cpu_threads
         self.retain_gpu_grad_partition_until_step = bool(retain_gpu_grad_partition_until_step)
         self.overlap = bool(overlap)
@@ -347,19 +361,92 @@ class ZoffStrategy(ParallelStrategy):
                         f"; loss scale now {precision.loss_scale:g}" if precision.scaler is not None else "")
         return result
 
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        # fp32 masters after fitting; before, the accelerator's shards hold the weights. A collective.
-        if self.engine is not None:
-            return self.full_state_dict()  # waits for updates in flight
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    # -- checkpoints: every method here is a collective -----------------------------------------------------
 
-        return get_model_state_dict(self.lightning_module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # fp32 masters once the engine exists (views of this rank's rows when sharded); before, the model's shards
+        if self.engine is None:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            full = self.state_dict_type == "full"
+            return get_model_state_dict(self.lightning_module, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+        self.engine.wait_idle()
+        if self.state_dict_type == "full":
+            return full_state_dict(self.lightning_module, self.engine)
+        return sharded_model_state(self.lightning_module, self.engine, self._mesh())
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        if self.engine is None:
+            return super().optimizer_state(optimizer)
+        self.engine.wait_idle()
+        if self.state_dict_type == "full":
+            return full_optimizer_state(self.lightning_module, self.engine, optimizer)
+        return sharded_optimizer_state(self.lightning_module, self.engine, optimizer, self._mesh())
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError("strategy='zoff' writes checkpoints itself and takes no storage_options.")
+        path = Path(self.broadcast(str(filepath)))  # every rank writes where rank 0 says
+        checkpoint["zoff"] = checkpoint_files.zoff_info(checkpoint["state_dict"], self.state_dict_type, self.world_size)
+        if self.state_dict_type == "sharded":
+            checkpoint_files.save_sharded(checkpoint, path, self.global_rank, self.barrier)
+        elif self.is_global_zero:
+            checkpoint_files.save_full(checkpoint, path)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            checkpoint_files.remove(Path(filepath))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        raise NotImplementedError(
-            "zoff cannot resume from a checkpoint yet (sharded save/resume is planned). Checkpoints written now hold"
-            " the full fp32 weights under 'state_dict': load them into the plain model with `load_state_dict`."
-        )
+        # Restores the weights (and, when fitting, the optimizer state) right here; Lightning restores the rest
+        # (loops, LR schedulers, callbacks, loss scaler) from the dict returned.
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if self.is_global_zero:
+            checkpoint_files.recover(path)
+        self.barrier()
+        module = self.lightning_module
+        checkpoint = checkpoint_files.read(path, weights_only)
+        expected = {name: list(t.shape) for name, t in module.state_dict().items()}
+        checkpoint_files.check_compatible(checkpoint, path, expected)
+        if self.engine is None:
+            targets = {"state_dict": weight_targets(module)}
+            self._read_tensors(path, checkpoint, targets)
+            apply_weights(module, targets["state_dict"])
+            return checkpoint
+        self.engine.wait_idle()
+        targets = {"state_dict": sharded_model_state(module, self.engine, self._mesh())}
+        optimizer, optimizer_state = None, None
+        if module.trainer.state.fn == TrainerFn.FITTING and "optimizer_states" in checkpoint:
+            optimizer = self.optimizers[0]
+            optimizer_state = sharded_optimizer_state(module, self.engine, optimizer, self._mesh())
+            optimizer_state["param_groups"] = checkpoint["optimizer_states"][0]["param_groups"]
+            targets["optimizer_0"] = optimizer_state["state"]
+        self._read_tensors(path, checkpoint, targets)
+        finish_restore(module, self.engine, optimizer, optimizer_state)
+        return checkpoint
+
+    def _read_tensors(self, path: Path, checkpoint: dict[str, Any], targets: dict[str, Any]) -> None:
+        if path.is_dir():
+            checkpoint_files.load_sharded(path, targets)
+            return
+        full = {"state_dict": checkpoint["state_dict"]}
+        if "optimizer_0" in targets:
+            full["optimizer_0"] = checkpoint["optimizer_states"][0]["state"]
+        fill_from_full(targets, full, self.world_size, self.global_rank)
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # done in load_checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # done in load_checkpoint
+
+    def _mesh(self) -> Any:
+        assert self.engine is not None
+        if self._state_mesh is None:
+            self._state_mesh = state_mesh(self.engine)
+        return self._state_mesh
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The LightningModule's state dict with fp32 master weights, on every rank (a collective)."""

@@ -1,0 +1,214 @@
+"""Checkpoints: sharded save and resume at the same or another world size, one-file export and consolidation, crash
+safety, and clear refusals. The reference is always the same run, uninterrupted."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.multiprocessing import ProcessRaisedException
+
+from lightning_zoff import ZoffPrecision, ZoffStrategy
+from lightning_zoff.checkpoint_files import CheckpointError, recover
+from lightning_zoff.consolidate import consolidate
+from resume_run import SaveBatch, resume_fit
+from tiny import TinyLM, TinyModule, token_loader
+
+REPO = Path(__file__).parents[1]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+STEP6 = "epoch=0-step=6.ckpt"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """12 steps on 2 ranks, uninterrupted, checkpointing every 6 steps (all kept) and every 3 (latest and last)."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    every6 = ModelCheckpoint(dirpath=out / "ck", save_top_k=-1, every_n_train_steps=6)
+    latest = ModelCheckpoint(dirpath=out / "top", save_top_k=1, save_last=True, every_n_train_steps=3)
+    return out, resume_fit(out / "run", callbacks=[every6, latest, SaveBatch(6, out)])
+
+
+def test_resume_on_two_ranks_is_bit_exact(run, tmp_path):
+    out, full = run
+    resumed = resume_fit(tmp_path, ckpt_path=out / "ck" / STEP6)
+    for rank in (0, 1):
+        assert len(full[rank]["losses"]) == 12 and len(resumed[rank]["losses"]) == 6
+        assert resumed[rank]["losses"] == full[rank]["losses"][6:]
+        assert resumed[rank]["lr"] == full[rank]["lr"]  # StepLR's position and the groups' lr came back
+
+
+def test_resume_on_one_rank_reshards(run, tmp_path):
+    out, full = run
+    resumed = resume_fit(tmp_path, devices=1, batch_size=8, ckpt_path=out / "ck" / STEP6)
+    # one rank's batch of 8 holds both ranks' batches of 4: its loss is their mean
+    reference = torch.tensor([full[0]["losses"][6:], full[1]["losses"][6:]], dtype=torch.float64).mean(0)
+    got = torch.tensor(resumed[0]["losses"], dtype=torch.float64)
+    assert ((got - reference).abs() / reference).max() < 1e-5
+
+
+def test_top_k_and_last_keep_whole_directories(run):
+    out, _ = run
+    top = out / "top"
+    assert sorted(os.listdir(top)) == ["epoch=1-step=12.ckpt", "last.ckpt"]  # steps 3, 6, 9 were removed
+    for name in os.listdir(top):
+        assert (top / name / "meta.pt").is_file()
+        assert torch.load(top / name / "meta.pt", weights_only=False)["global_step"] == 12
+
+
+@pytest.fixture(scope="module")
+def consolidated(run, tmp_path_factory):
+    """The step-6 checkpoint through `python -m lightning_zoff.consolidate`: its weights."""
+    out = tmp_path_factory.mktemp("consolidated") / "model.pt"
+    # --buffer-mb 0: one tensor per read, so the batching and the placement of every tensor in the file are exercised
+    cmd = [sys.executable, "-m", "lightning_zoff.consolidate", str(run[0] / "ck" / STEP6), str(out), "--buffer-mb", "0",
+           "--no-progress"]
+    result = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return torch.load(out, weights_only=True)
+
+
+def first_loss(state_dict: dict, batch_file: Path) -> float:
+    model = TinyModule()
+    model.load_state_dict(state_dict, strict=True)
+    x, y = torch.load(batch_file)
+    with torch.no_grad():
+        return F.cross_entropy(model.model(x).float().flatten(0, 1), y.flatten()).item()
+
+
+def test_consolidated_file_loads_into_the_plain_model(run, consolidated):
+    out, full = run
+    state = consolidated["state_dict"]
+    assert state.keys() == TinyModule().state_dict().keys()
+    assert {t.dtype for t in state.values()} == {torch.float32}
+    for rank in (0, 1):  # the loss each rank saw at step 6, from the weights of step 6
+        assert first_loss(state, out / f"batch{rank}.pt") == pytest.approx(full[rank]["losses"][6], rel=1e-6)
+
+
+def test_test_from_a_checkpoint_evaluates_its_weights(run, consolidated):
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ZoffStrategy(start_method="fork"), logger=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    loader = token_loader(n=16, seed=1)
+    test_loss = trainer.test(TinyModule(), loader, ckpt_path=run[0] / "ck" / STEP6)[0]["test_loss"]
+    model = TinyModule()
+    model.load_state_dict(consolidated["state_dict"])
+    x, y = loader.dataset.tensors
+    with torch.no_grad():
+        expected = F.cross_entropy(model.model(x).flatten(0, 1), y.flatten()).item()
+    assert test_loss == pytest.approx(expected, rel=1e-5)
+
+
+# loads a file with torch alone: lightning_zoff cannot be imported
+PLAIN_LOAD = """
+import sys, torch
+sys.modules["lightning_zoff"] = None
+torch.save(torch.load(sys.argv[1], weights_only=True)["state_dict"], sys.argv[2])
+"""
+
+
+def test_full_file_loads_without_zoff_and_resumes(run, consolidated, tmp_path):
+    out, full = run
+    resume_fit(tmp_path / "run", max_steps=6, state_dict_type="full",
+               callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=6)])
+    file = tmp_path / "ck" / STEP6
+    assert file.is_file()
+    subprocess.run([sys.executable, "-c", PLAIN_LOAD, str(file), str(tmp_path / "sd.pt")], check=True, timeout=60)
+    plain = torch.load(tmp_path / "sd.pt", weights_only=True)
+    for name, tensor in consolidated["state_dict"].items():  # the same training written two ways
+        assert torch.equal(plain[name], tensor), name
+    loaded = TinyModule.load_from_checkpoint(file, weights_only=False)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in plain.items())
+    resumed = resume_fit(tmp_path / "resumed", ckpt_path=file, state_dict_type="full")
+    for rank in (0, 1):
+        assert resumed[rank]["losses"] == full[rank]["losses"][6:]
+
+
+def test_fp16_loss_scale_and_lr_schedule_survive(tmp_path):
+    def fp16():  # grows the scale every 2 good steps, so a reset scaler would show
+        return [ZoffPrecision("16-mixed", scale=2.0**8, growth_interval=2)]
+
+    full = resume_fit(tmp_path / "full", plugins=fp16(),
+                      callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1, every_n_train_steps=6)])
+    resumed = resume_fit(tmp_path / "resumed", plugins=fp16(), ckpt_path=tmp_path / "ck" / STEP6)
+    for rank in (0, 1):
+        assert resumed[rank]["param_dtypes"] == ["torch.float16"]
+        assert resumed[rank]["losses"] == full[rank]["losses"][6:]
+        assert resumed[rank]["telemetry"]["zoff/loss_scale"] == full[rank]["telemetry"]["zoff/loss_scale"] == 2.0**14
+        assert resumed[rank]["lr"] == full[rank]["lr"] == [3e-3 * 0.5**4, 6e-3 * 0.5**4]
+
+
+def test_sigkill_during_a_save_leaves_the_previous_checkpoint(run, tmp_path):
+    _, full = run
+    script = Path(__file__).parent / "scripts" / "killed_save.py"
+    killed = subprocess.run([sys.executable, str(script), str(tmp_path)], env=ENV, start_new_session=True,
+                            capture_output=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+    last = tmp_path / "ck" / "last.ckpt"
+    assert (tmp_path / "ck" / ".last.ckpt.zoff-partial").is_dir()  # the save it died in
+    assert torch.load(last / "meta.pt", weights_only=False)["global_step"] == 6  # the one before, whole
+    resumed = resume_fit(tmp_path / "resumed", ckpt_path=last)
+    for rank in (0, 1):
+        assert resumed[rank]["losses"] == full[rank]["losses"][6:]
+
+
+class TwoBlocks(TinyModule):
+    def __init__(self):
+        super().__init__()
+        self.model = TinyLM(n_blocks=2)
+
+
+def truncate(path: Path) -> Path:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return path
+
+
+def other_version(ckpt: Path) -> Path:
+    meta = torch.load(ckpt / "meta.pt", weights_only=False)
+    meta["zoff"]["format_version"] = 99
+    torch.save(meta, ckpt / "meta.pt")
+    return ckpt / "meta.pt"
+
+
+@pytest.mark.parametrize("damage, module, problem", [
+    (lambda c: truncate(c / "__1_0.distcp"), TinyModule, r"__1_0\.distcp: truncated: \d+ bytes, the checkpoint's index needs \d+"),
+    (lambda c: truncate(c / "meta.pt"), TinyModule, r"meta\.pt: cannot be read .*truncated"),
+    (lambda c: (c / "meta.pt").unlink() or c, TinyModule, r"ckpt: no meta\.pt, which a zoff checkpoint writes last"),
+    (other_version, TinyModule, r"meta\.pt: checkpoint format version 99; this lightning_zoff reads version 1"),
+    (lambda c: c, TwoBlocks, r"meta\.pt: written for another model: missing \[\], unexpected \['model\.blocks\.2\.fc1\.bias'"),
+], ids=["truncated_shard", "truncated_meta", "unfinished", "other_version", "other_model"])
+def test_damaged_or_foreign_checkpoints_are_refused(run, tmp_path, damage, module, problem):
+    ckpt = tmp_path / "copy.ckpt"
+    shutil.copytree(run[0] / "ck" / STEP6, ckpt)
+    named = damage(ckpt)
+    with pytest.raises((CheckpointError, ProcessRaisedException)) as err:
+        resume_fit(tmp_path / "run", devices=1, batch_size=8, module=module(), ckpt_path=ckpt)
+    message = str(err.value)
+    assert isinstance(err.value, CheckpointError) or "CheckpointError" in message
+    assert str(named) in message and re.search(problem, message)  # names the file and what is wrong with it
+
+def test_consolidate_refuses_a_truncated_checkpoint(run, tmp_path):
+    ckpt = tmp_path / "copy.ckpt"
+    shutil.copytree(run[0] / "ck" / STEP6, ckpt)
+    truncate(ckpt / "__0_0.distcp")
+    with pytest.raises(CheckpointError, match=r"copy\.ckpt/__0_0\.distcp: truncated"):
+        consolidate(ckpt, tmp_path / "model.pt", progress=False)
+    assert not (tmp_path / "model.pt").exists()
+
+
+def test_a_replacement_cut_between_its_renames_is_recovered(tmp_path):
+    path = tmp_path / "last.ckpt"
+    (tmp_path / ".last.ckpt.zoff-previous").mkdir()  # the old checkpoint, moved aside; the new one never arrived
+    recover(path)
+    assert path.is_dir() and not (tmp_path / ".last.ckpt.zoff-previous").exists()
+    (tmp_path / ".last.ckpt.zoff-previous").mkdir()  # both there: the new one arrived, drop the old
+    recover(path)
+    assert path.is_dir() and not (tmp_path / ".last.ckpt.zoff-previous").exists()
