@@ -9,6 +9,9 @@ from pathlib import Path
 
 import torch
 
+from lightning_zoff import checkpoint_files
+from lightning_zoff.consolidate import consolidate
+
 from lightning_zoff.examples.gpt import GPTModule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,10 +28,14 @@ def train(cwd: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def load_weights(checkpoint: Path) -> tuple[int, dict[str, torch.Tensor]]:
-    ckpt = torch.load(checkpoint, map_location="cpu", weights_only=False)
-    module = GPTModule()  # gpt_tiny's shape: the checkpoint holds the plain model's full fp32 weights
-    module.load_state_dict(ckpt["state_dict"])
-    return ckpt["global_step"], ckpt["state_dict"]
+    """The step and full fp32 weights of a sharded checkpoint directory, consolidated into one file."""
+    assert checkpoint.is_dir()  # zoff's default: sharded
+    step = checkpoint_files.read(checkpoint, None)["global_step"]
+    single = checkpoint.parent / "consolidated.pt"
+    consolidate(checkpoint, single, progress=False)
+    state_dict = torch.load(single, map_location="cpu", weights_only=True)["state_dict"]
+    GPTModule().load_state_dict(state_dict)  # gpt_tiny's shape, strict: the plain model's full weights
+    return step, state_dict
 
 
 def is_png(path: Path) -> bool:
