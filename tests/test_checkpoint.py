@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ from lightning_zoff import ZoffPrecision, ZoffStrategy
 from lightning_zoff.checkpoint_files import CheckpointError, recover
 from lightning_zoff.consolidate import consolidate
 from resume_run import SaveBatch, resume_fit
-from tiny import TinyLM, TinyModule, token_loader
+from tiny import TinyLM, TinyModule, read_probe, token_loader
 
 REPO = Path(__file__).parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
@@ -212,3 +213,33 @@ def test_a_replacement_cut_between_its_renames_is_recovered(tmp_path):
     (tmp_path / ".last.ckpt.zoff-previous").mkdir()  # both there: the new one arrived, drop the old
     recover(path)
     assert path.is_dir() and not (tmp_path / ".last.ckpt.zoff-previous").exists()
+
+
+def _two_nodes(out: Path, *ckpt: Path) -> dict:
+    """Two processes started as two nodes of one process each would be by a cluster: node rank, master address
+    and port in the environment, nothing else shared. Returns what each global rank saw."""
+    script = Path(__file__).parent / "scripts" / "multinode.py"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for node in (0, 1):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": str(node)}
+        env.pop("LOCAL_RANK", None)
+        procs.append(subprocess.Popen([sys.executable, str(script), str(out), *map(str, ckpt)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for proc in procs:
+        output, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, output[-3000:]
+    return {rank: read_probe(out / "run", rank) for rank in (0, 1)}
+
+
+def test_two_nodes_train_and_resume_like_one_node(run, tmp_path):
+    # the same global batch over 2 nodes x 1 process as over 1 node x 2 processes: the same bits
+    _, full = run
+    nodes = _two_nodes(tmp_path / "nodes")
+    for rank in (0, 1):
+        assert nodes[rank]["world_size"] == 2 and nodes[rank]["losses"] == full[rank]["losses"]
+    resumed = _two_nodes(tmp_path / "resumed", tmp_path / "nodes" / "ck" / STEP6)
+    for rank in (0, 1):
+        assert resumed[rank]["losses"] == full[rank]["losses"][6:]
