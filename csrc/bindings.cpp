@@ -150,9 +150,10 @@ std::tuple<double, bool> grad_sumsq_finite(const at::Tensor& grad, double grad_s
   return {total, std::isfinite(total)};
 }
 
-void accumulate(const at::Tensor& dst, const at::Tensor& src, const std::string& isa, int64_t threads) {
+void accumulate(const at::Tensor& dst, const at::Tensor& src, bool replace, const std::string& isa, int64_t threads) {
   const int64_t n = dst.numel();
-  const AccumulateTask task{dst.data_ptr(), float_dtype(dst, n, "dst"), src.data_ptr(), float_dtype(src, n, "src")};
+  const AccumulateTask task{dst.data_ptr(), float_dtype(dst, n, "dst"), src.data_ptr(), float_dtype(src, n, "src"),
+                            replace};
   const IsaKernels& kernels = kernels_for(isa);
   const int team = threads_for(n, checked_threads(threads));
   pybind11::gil_scoped_release no_gil;
@@ -182,7 +183,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("maximize"), py::arg("into"), py::arg("stream"), py::arg("isa"), py::arg("threads"));
   m.def("grad_sumsq_finite", &zoff::grad_sumsq_finite, py::arg("grad"), py::arg("grad_scale"), py::arg("isa"),
         py::arg("threads"));
-  m.def("accumulate", &zoff::accumulate, py::arg("dst"), py::arg("src"), py::arg("isa"), py::arg("threads"));
+  m.def("accumulate", &zoff::accumulate, py::arg("dst"), py::arg("src"), py::arg("replace"), py::arg("isa"),
+        py::arg("threads"));
   m.def("stream_probe", &zoff::stream_probe_gbps, py::arg("nbytes"), py::arg("threads"), py::arg("isa"));
   m.def("available_isas", &zoff::available_isas);
 }

@@ -161,13 +161,18 @@ double sumsq_typed(const SumsqTask& t, int64_t begin, int64_t end) {
   return Simd::reduce(acc) + Scalar::reduce(tail);
 }
 
-template <class D, class S>
+template <class D, class S, bool kReplace>
 void accumulate_typed(const AccumulateTask& t, int64_t begin, int64_t end) {
   D* dst = static_cast<D*>(t.dst);
   const S* src = static_cast<const S*>(t.src);
   int64_t i = begin;
-  for (; i + Simd::kWidth <= end; i += Simd::kWidth) Simd::store(dst + i, Simd::load(dst + i) + Simd::load(src + i));
-  for (; i < end; ++i) Scalar::store(dst + i, Scalar::load(dst + i) + Scalar::load(src + i));
+  if constexpr (kReplace) {
+    for (; i + Simd::kWidth <= end; i += Simd::kWidth) Simd::store(dst + i, Simd::load(src + i));
+    for (; i < end; ++i) Scalar::store(dst + i, Scalar::load(src + i));
+  } else {
+    for (; i + Simd::kWidth <= end; i += Simd::kWidth) Simd::store(dst + i, Simd::load(dst + i) + Simd::load(src + i));
+    for (; i < end; ++i) Scalar::store(dst + i, Scalar::load(dst + i) + Scalar::load(src + i));
+  }
 }
 
 // Four independent sums, so the read is bound by memory, not by the latency of one chain of adds.
@@ -258,10 +263,15 @@ double sumsq(const SumsqTask& t, int64_t begin, int64_t end) {
 void accumulate(const AccumulateTask& t, int64_t begin, int64_t end) {
   const auto with_dst = [&](auto src) {
     using S = typename decltype(src)::type;
+    const auto with_mode = [&](auto dst) {
+      using D = typename decltype(dst)::type;
+      if (t.replace) return accumulate_typed<D, S, true>(t, begin, end);
+      return accumulate_typed<D, S, false>(t, begin, end);
+    };
     switch (t.dst_dtype) {
-      case DType::kF32: return accumulate_typed<float, S>(t, begin, end);
-      case DType::kBF16: return accumulate_typed<Bf16, S>(t, begin, end);
-      case DType::kF16: return accumulate_typed<Half, S>(t, begin, end);
+      case DType::kF32: return with_mode(Tag<float>{});
+      case DType::kBF16: return with_mode(Tag<Bf16>{});
+      case DType::kF16: return with_mode(Tag<Half>{});
     }
   };
   switch (t.src_dtype) {

@@ -81,12 +81,14 @@ struct LionTask {
   LionConsts k;
 };
 
-// dst += src elementwise, in fp32, rounded to dst's dtype (what torch's dst.add_(src) computes).
+// dst += src elementwise, in fp32, rounded to dst's dtype (what torch's dst.add_(src) computes); with `replace`,
+// dst = src converted (dst.copy_(src)).
 struct AccumulateTask {
   void* dst;
   DType dst_dtype;
   const void* src;
   DType src_dtype;
+  bool replace;
 };
 
 struct SumsqTask {

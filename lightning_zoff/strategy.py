@@ -30,6 +30,7 @@ from lightning_zoff.checkpoint import (
     apply_weights, finish_restore, fill_from_full, full_optimizer_state, full_state_dict, sharded_model_state,
     sharded_optimizer_state, state_mesh, weight_targets,
 )
+from lightning_zoff.cpus import CpuLayout, apply_layout, plan_layout, torch_threads
 from lightning_zoff.launchers import ZoffMultiProcessingLauncher
 from lightning_zoff.offload import OffloadEngine, StepOutcome, describe_memory
 from lightning_zoff.precision import ZoffPrecision
@@ -139,6 +140,7 @@ class ZoffStrategy(ParallelStrategy):
         self._in_optimizer_step = False
         self.last_step: StepOutcome | None = None
         self.telemetry: dict[str, float] = {}
+        self._cpu_layout: CpuLayout | None = None
         self._timer = StepTimer(torch.device("cpu"))
 
     # -- precision: whatever the `precision=` flag built becomes a ZoffPrecision ----------------------------
@@ -208,6 +210,15 @@ class ZoffStrategy(ParallelStrategy):
         self.set_world_ranks()
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout)
+        on_gpu = self.root_device.type == "cuda"
+        self._cpu_layout = plan_layout(sorted(os.sched_getaffinity(0)), self.local_rank, self.num_processes,
+                                       self.cpu_threads, keep_one_for_training=on_gpu and self.overlap and self.offload)
+        if on_gpu and self.offload:
+            # each rank of the node on its own cores, torch's pool shrunk to what the kernels leave (on CPU
+            # machines torch's threads do the training itself, so they keep the process's cores)
+            apply_layout(self._cpu_layout)
+        log.info("zoff rank %d (local %d of %d): %s", self.global_rank, self.local_rank, self.num_processes,
+                 self._cpu_layout.describe())
 
     # -- model and optimizer --------------------------------------------------------------------------------
 
@@ -270,20 +281,24 @@ class ZoffStrategy(ParallelStrategy):
             raise ValueError(one_optimizer.format(len(self.optimizers)))
         if self.engine is None:
             state_device = torch.device("cpu") if self.offload else self.root_device
-            self.engine = OffloadEngine(
-                self._units, self._masters, self.optimizers[0],
-                world_size=self.world_size, state_device=state_device, pin_memory=self.pin_memory,
-                grad_accum_dtype=_ACCUM_DTYPES[self.grad_accum_dtype],
-                accumulate_on_accelerator=self.grad_accum_on == "accelerator",
-                retain_device_sum=self.retain_gpu_grad_partition_until_step, threads=self._optimizer_threads(),
-                overlap=self.overlap,
-            )
+            threads = self._optimizer_threads()
+            with torch_threads(max(torch.get_num_threads(), threads)):  # the host state's first copies
+                self.engine = self._build_engine(state_device, threads)
             self.engine.attach()
             self._masters = {}
             self._log_memory()
         for config in self.lr_scheduler_configs:
             if config.interval == "step" and not isinstance(config.scheduler, SkipAwareScheduler):
                 config.scheduler = SkipAwareScheduler(config.scheduler, self._last_step_skipped)
+
+    def _build_engine(self, state_device: torch.device, threads: int) -> OffloadEngine:
+        return OffloadEngine(
+            self._units, self._masters, self.optimizers[0],
+            world_size=self.world_size, state_device=state_device, pin_memory=self.pin_memory,
+            grad_accum_dtype=_ACCUM_DTYPES[self.grad_accum_dtype],
+            accumulate_on_accelerator=self.grad_accum_on == "accelerator",
+            retain_device_sum=self.retain_gpu_grad_partition_until_step, threads=threads, overlap=self.overlap,
+        )
 
     def _log_step(self, loss_scale: float) -> None:
         # Lightning allows logging from `optimizer_step`; its loggers keep their own cadence
@@ -309,13 +324,10 @@ class ZoffStrategy(ParallelStrategy):
         return self.last_step is not None and self.last_step.skipped
 
     def _optimizer_threads(self) -> int:
-        # each rank on this node gets its share of the cores this process may run on
-        if self.cpu_threads:
-            return self.cpu_threads
-        share = max(1, len(os.sched_getaffinity(0)) // max(1, self.num_processes))
-        if self.overlap and self.offload and self.root_device.type == "cuda" and share >= 4:
-            return share - 1  # the training thread keeps a core to launch kernels while the worker updates
-        return share
+        if self._cpu_layout is None:  # setup_environment did not run (a strategy driven by hand)
+            self._cpu_layout = plan_layout(sorted(os.sched_getaffinity(0)), self.local_rank, self.num_processes,
+                                           self.cpu_threads, keep_one_for_training=False)
+        return self._cpu_layout.kernel_threads
 
     def _log_memory(self) -> None:
         assert self.engine is not None

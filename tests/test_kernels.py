@@ -296,11 +296,16 @@ def test_accumulate_equals_torch_add(isa, dst_dtype, src_dtype, n):
     src = (torch.randn(n, generator=gen) * 100).to(src_dtype)
     if n > 3:
         src[1], src[2] = math.inf, math.nan  # non-finite values pass through as torch's add gives them
+    copied = dst.clone()
     expected = dst.clone().add_(src)
     ops.accumulate(dst, src, isa=isa, threads=THREADS)
     assert torch.equal(dst.isnan(), expected.isnan())
     keep = ~expected.isnan()
     assert torch.equal(dst[keep], expected[keep])
+    ops.accumulate(copied, src, replace=True, isa=isa, threads=THREADS)  # the first micro-batch of a window
+    expected = torch.empty_like(copied).copy_(src)
+    assert torch.equal(copied.isnan(), expected.isnan())
+    assert torch.equal(copied[~expected.isnan()], expected[~expected.isnan()])
 
 
 def test_accumulate_rejects_mismatched_sizes():

@@ -321,7 +321,7 @@ class OffloadEngine:
             elif window_ends:
                 unit.grad_in_staging = True
             else:
-                unit.grad_sum.copy_(unit.grad_staging)
+                self._accumulate(unit.grad_sum, unit.grad_staging, replace=True)
             unit.has_grad = True
             if window_ends:
                 unit.sumsq = self._unit_sumsq(unit)
@@ -336,9 +336,12 @@ class OffloadEngine:
                     self._landings -= 1
                 self.worker.notify()
 
-    def _accumulate(self, total: torch.Tensor, shard: torch.Tensor) -> None:
+    def _accumulate(self, total: torch.Tensor, shard: torch.Tensor, replace: bool = False) -> None:
+        # the kernel, not torch, on the host: it runs on this rank's optimizer threads (torch's pool is small there)
         if total.device.type == "cpu":
-            ops.accumulate(total, shard, threads=self.threads)
+            ops.accumulate(total, shard, replace=replace, threads=self.threads)
+        elif replace:
+            total.copy_(shard)
         else:
             total.add_(shard)
 

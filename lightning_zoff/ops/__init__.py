@@ -78,10 +78,11 @@ def lion_step(
     )
 
 
-def accumulate(dst: torch.Tensor, src: torch.Tensor, isa: str | None = None, threads: int | None = None) -> None:
+def accumulate(dst: torch.Tensor, src: torch.Tensor, *, replace: bool = False, isa: str | None = None,
+               threads: int | None = None) -> None:
     """`dst += src` for fp32/bf16/fp16 tensors of equal size, added in fp32 and rounded to dst's dtype: the same
-    bits as `dst.add_(src)`, on this rank's kernel threads."""
-    load().accumulate(dst, src, _isa(isa), _threads(threads))
+    bits as `dst.add_(src)`, on this rank's kernel threads. `replace=True`: `dst.copy_(src)`."""
+    load().accumulate(dst, src, replace, _isa(isa), _threads(threads))
 
 
 def grad_sumsq_finite(

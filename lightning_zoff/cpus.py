@@ -1,0 +1,70 @@
+"""Which host cores each rank of a node uses, so ranks' kernel threads do not oversubscribe the machine."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CpuLayout:
+    cores: tuple[int, ...]  # this rank's cores
+    kernel_threads: int  # the optimizer kernels' OpenMP threads
+    torch_threads: int  # torch's intra-op threads in this process
+
+    def describe(self) -> str:
+        return (f"cores {_ranges(self.cores)} ({len(self.cores)}), {self.kernel_threads} optimizer threads,"
+                f" {self.torch_threads} torch threads")
+
+
+def core_share(cores: Sequence[int], local_rank: int, local_ranks: int) -> tuple[int, ...]:
+    """This rank's contiguous slice of the node's cores: an equal share each (at least one core; with more ranks
+    than cores, ranks share cores round-robin)."""
+    cores = sorted(cores)
+    per = max(1, len(cores) // max(1, local_ranks))
+    start = (local_rank * per) % len(cores)
+    return tuple(cores[start : start + per])
+
+
+def plan_layout(cores: Sequence[int], local_rank: int, local_ranks: int, kernel_threads: int | None,
+                keep_one_for_training: bool) -> CpuLayout:
+    """`kernel_threads` None: the share, less one core for the training thread when `keep_one_for_training` (it
+    launches the accelerator's work while the kernels run) and the share has at least four cores."""
+    share = core_share(cores, local_rank, local_ranks)
+    if kernel_threads is None:
+        kernel_threads = len(share) - 1 if keep_one_for_training and len(share) >= 4 else len(share)
+    return CpuLayout(share, kernel_threads, max(1, len(share) - kernel_threads))
+
+
+def apply_layout(layout: CpuLayout) -> None:
+    """Confine this process (and the threads it starts from now on) to its cores and size torch's pool."""
+    import torch
+
+    os.sched_setaffinity(0, layout.cores)
+    torch.set_num_threads(layout.torch_threads)
+
+
+def _ranges(cores: Sequence[int]) -> str:
+    parts, start = [], None
+    for i, core in enumerate(cores):
+        if start is None:
+            start = core
+        if i + 1 == len(cores) or cores[i + 1] != core + 1:
+            parts.append(f"{start}" if start == core else f"{start}-{core}")
+            start = None
+    return ",".join(parts)
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's pool at `n` threads for a while (building the host state: large copies, no kernels running)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,20 @@
+"""How a node's cores are split among its ranks (what each rank logs as its thread layout)."""
+
+from lightning_zoff.cpus import core_share, plan_layout
+
+
+def test_each_rank_gets_its_own_equal_slice():
+    cores = list(range(32))
+    shares = [core_share(cores, rank, 2) for rank in (0, 1)]
+    assert shares == [tuple(range(16)), tuple(range(16, 32))]  # disjoint: no oversubscription
+    assert [len(core_share(cores, r, 3)) for r in range(3)] == [10, 10, 10]
+    assert core_share([0, 1], 3, 4) == (1,)  # more ranks than cores: share round-robin, at least one each
+
+
+def test_the_training_thread_keeps_a_core_on_gpu_machines():
+    layout = plan_layout(range(16), 0, 1, None, keep_one_for_training=True)
+    assert (layout.kernel_threads, layout.torch_threads) == (15, 1)
+    assert layout.describe() == "cores 0-15 (16), 15 optimizer threads, 1 torch threads"
+    assert plan_layout(range(16), 1, 2, None, keep_one_for_training=False).kernel_threads == 8
+    assert plan_layout(range(2), 0, 1, None, keep_one_for_training=True).kernel_threads == 2  # too few to keep one
+    assert plan_layout(range(16), 0, 1, 4, keep_one_for_training=True).kernel_threads == 4  # asked for
