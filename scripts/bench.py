@@ -91,7 +91,7 @@ def build_run(name: str, cfg: dict):
     return GPTModule(**cfg, lr=1e-4), strategy, "bf16-mixed"
 
 
-def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int, batch: int) -> dict:
+def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int, batch: int, devices: int) -> dict:
     import lightning.pytorch as pl
     import torch
 
@@ -142,9 +142,9 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
     module, strategy, precision = build_run(name, cfg)
     params = sum(p.numel() for p in module.parameters())
     data = SyntheticDataModule(vocab_size=cfg["vocab_size"], block_size=cfg["block_size"], batch_size=batch,
-                               num_samples=batch * accumulate * (steps + warmup) + batch)
+                               num_samples=devices * (batch * accumulate * (steps + warmup) + batch))
     timer = Timer()
-    trainer = pl.Trainer(accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=1, strategy=strategy,
+    trainer = pl.Trainer(accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=devices, strategy=strategy,
                          precision=precision,
                          max_steps=steps + warmup, accumulate_grad_batches=accumulate, gradient_clip_val=1.0,
                          callbacks=[timer], logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -157,7 +157,8 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
     exposed = zoff.get("zoff/exposed_optimizer_s", statistics.median(timer.optimizer[warmup:]))
     return {
         "name": name, "accumulate": accumulate, "step_s_median": step_s,
-        "tokens_per_s": batch * accumulate * cfg["block_size"] / step_s,
+        "devices": devices, "rank": trainer.global_rank,
+        "tokens_per_s": devices * batch * accumulate * cfg["block_size"] / step_s,  # all ranks together
         "exposed_optimizer_s": exposed, "telemetry_median": zoff,
         "gpu_gb_after_micro_backward": statistics.median(timer.after_backward) if timer.after_backward else None,
         "window_peak_gpu_gb": statistics.median(timer.window_peak[warmup:]) if timer.window_peak else None,
@@ -175,13 +176,15 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8, help="per device")
+    parser.add_argument("--devices", type=int, default=1, help="GPUs per run (ranks of one node)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:  # child: one run, result as the last stdout line
-        result = run_one(args.one, args.model, args.accumulate[0], args.steps, args.warmup, args.batch)
-        print("RESULT " + json.dumps(result), flush=True)
+        result = run_one(args.one, args.model, args.accumulate[0], args.steps, args.warmup, args.batch, args.devices)
+        if result["rank"] == 0:  # the other ranks (re-run by Lightning from this command line) share stdout
+            print("RESULT " + json.dumps(result), flush=True)
         return
     import torch
 
@@ -192,7 +195,8 @@ def main() -> None:
     for accumulate in args.accumulate:
         for name in args.runs:
             cmd = [sys.executable, __file__, "--one", name, "--model", args.model, "--accumulate", str(accumulate),
-                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch)]
+                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
+                   "--devices", str(args.devices)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
             if proc.returncode or not lines:
