@@ -84,5 +84,21 @@ def shard_model(
     return {id(sharded[name]): master for name, master in masters.items()}
 
 
+def checkpoint_activations(model: nn.Module, classes: Iterable[type[nn.Module]]) -> None:
+    """Recompute the activations of every module of `classes` in backward (torch's composable checkpoint: hooks on
+    the module itself, so the module tree, the parameter names and FSDP2's units stay as they are)."""
+    classes = tuple(classes)
+    if not classes:
+        return
+    from torch.distributed._composable import checkpoint
+
+    targets = [m for m in model.modules() if isinstance(m, classes)]
+    if not targets:
+        raise ValueError(f"activation_checkpointing_policy={sorted(c.__name__ for c in classes)} matches no module of"
+                         f" {type(model).__name__}; name classes the model uses (for a transformer, its block).")
+    for module in targets:
+        checkpoint(module)
+
+
 def is_sharded(model: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())

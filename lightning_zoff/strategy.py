@@ -36,7 +36,7 @@ from lightning_zoff.offload import OffloadEngine, StepOutcome, describe_memory
 from lightning_zoff.precision import ZoffPrecision
 from lightning_zoff.schedulers import SkipAwareScheduler
 from lightning_zoff.telemetry import StepTimer
-from lightning_zoff.sharding import is_sharded, plan_units, shard_model
+from lightning_zoff.sharding import checkpoint_activations, is_sharded, plan_units, shard_model
 
 log = logging.getLogger("lightning_zoff")
 
@@ -61,6 +61,8 @@ class ZoffStrategy(ParallelStrategy):
     Args:
         offload: keep the fp32 master weights and optimizer state in host memory and run the update on the CPU.
         wrap_policy: module classes that become FSDP2 units; default: the repeated children of `nn.ModuleList`s.
+        activation_checkpointing_policy: module classes whose activations are recomputed in backward instead of
+            kept (torch's composable `checkpoint`, applied before sharding; parameter names do not change).
         start_method: ``"subprocess"`` re-runs the script per rank (Lightning's default); ``"fork"``/``"spawn"``
             start ranks with multiprocessing (fork is the fast choice for CPU tests).
         pin_memory: pin host buffers (falls back to pageable memory with a warning when the OS refuses).
@@ -97,6 +99,7 @@ class ZoffStrategy(ParallelStrategy):
         *,
         offload: bool = True,
         wrap_policy: set[type[nn.Module]] | list[type[nn.Module]] | None = None,
+        activation_checkpointing_policy: set[type[nn.Module]] | list[type[nn.Module]] | None = None,
         start_method: StartMethod = "subprocess",
         pin_memory: bool = True,
         grad_accum_dtype: Literal["fp32", "bf16", "fp16"] = "fp32",
@@ -116,6 +119,7 @@ class ZoffStrategy(ParallelStrategy):
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.offload = bool(offload)
         self.wrap_policy = set(wrap_policy) if wrap_policy else None
+        self.activation_checkpointing_policy = set(activation_checkpointing_policy or ())
         self.start_method = start_method
         self.pin_memory = bool(pin_memory)
         if grad_accum_dtype not in _ACCUM_DTYPES:
@@ -232,6 +236,7 @@ class ZoffStrategy(ParallelStrategy):
         self._timer = StepTimer(self.root_device)
         if not is_sharded(module):
             self._units = plan_units(module, self.wrap_policy)
+            checkpoint_activations(module, self.activation_checkpointing_policy)
             mesh = init_device_mesh(self.root_device.type, (self.world_size,))
             self._masters = shard_model(module, self._units, mesh, self.precision_plugin.param_dtype)
             module.to(self.root_device)  # buffers and anything FSDP2 did not move
