@@ -303,6 +303,7 @@ class ZoffStrategy(ParallelStrategy):
             grad_accum_dtype=_ACCUM_DTYPES[self.grad_accum_dtype],
             accumulate_on_accelerator=self.grad_accum_on == "accelerator",
             retain_device_sum=self.retain_gpu_grad_partition_until_step, threads=threads, overlap=self.overlap,
+            ranks_on_node=self.num_processes,
         )
 
     def _log_step(self, loss_scale: float) -> None:

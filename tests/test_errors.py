@@ -85,3 +85,19 @@ def test_uneven_predict_is_refused(tmp_path):
                          enable_progress_bar=False, enable_model_summary=False)
     with fails(ValueError, "different batch counts"):
         trainer.predict(module, token_loader(n=5, batch_size=2))  # samples 3 + 2: batches 2 + 1
+
+
+def test_host_bytes_per_element_by_design():
+    from lightning_zoff.offload.budget import host_bytes_per_element
+
+    # bf16 Adam: state 12 (+12 spare with overlap), fp32 window sum 4, staging 2 down + 2 up (32 B measured on H200)
+    assert host_bytes_per_element(param_bytes=2, second_moment=True, overlap=True, accum_bytes=4) == 32
+    assert host_bytes_per_element(param_bytes=2, second_moment=True, overlap=False, accum_bytes=4) == 20
+    assert host_bytes_per_element(param_bytes=2, second_moment=False, overlap=False, accum_bytes=2) == 14  # Lion
+    assert host_bytes_per_element(param_bytes=4, second_moment=True, overlap=False, accum_bytes=4) == 20  # 32-true
+
+
+def test_model_larger_than_host_memory_stops_before_training(monkeypatch):
+    monkeypatch.setenv("ZOFF_HOST_MEMORY_BYTES", str(100_000))  # the forked rank inherits it
+    with fails(MemoryError, r"needs 0\.\d GB of host memory .* machine has 0\.0 GB\. Options: overlap=False .*more nodes"):
+        run(NoStep())

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zoff import ops
+from lightning_zoff.offload.budget import check_host_budget
 from lightning_zoff.offload.buffers import host_empty
 from lightning_zoff.offload.layout import ParamSlot, UnitLayout, unit_layout
 from lightning_zoff.offload.worker import HostWorker
@@ -148,6 +149,7 @@ class OffloadEngine:
         accumulate_on_accelerator: bool = False,
         retain_device_sum: bool = False,
         overlap: bool = True,
+        ranks_on_node: int = 1,
     ) -> None:
         self.grad_accum_dtype = grad_accum_dtype  # None: fp32
         self.accumulate_on_accelerator = accumulate_on_accelerator
@@ -166,10 +168,15 @@ class OffloadEngine:
         self.units: list[HostUnit] = []
         self._modules: list[nn.Module] = []
         covered: set[int] = set()
-        for name, module in units:
-            layout = unit_layout(name, module, world_size)
-            if not layout.slots:
-                continue
+        layouts = [(unit_layout(name, module, world_size), module) for name, module in units]
+        layouts = [(layout, module) for layout, module in layouts if layout.slots]
+        if state_device.type == "cpu" and layouts:
+            check_host_budget(
+                sum(layout.flat_numel for layout, _ in layouts), ranks_on_node,
+                param_bytes=layouts[0][0].slots[0].local.element_size(), second_moment=self.rule is not UpdateRule.LION,
+                overlap=self.overlap, accum_bytes=(grad_accum_dtype or torch.float32).itemsize,
+            )
+        for layout, module in layouts:
             covered.update(id(s.param) for s in layout.slots)
             self.units.append(self._host_unit(layout, masters, group_of, pin_memory))
             self._modules.append(module)
