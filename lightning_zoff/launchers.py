@@ -26,3 +26,14 @@ class ZoffMultiProcessingLauncher(_MultiProcessingLauncher):
         callback = trainer.checkpoint_callback
         best_model_path = getattr(callback, "best_model_path", None) if callback else None
         return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
+
+    def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: Any) -> None:
+        # A model built on the meta device (empty_init=True) has no memory to copy the weights into: give it theirs.
+        module = trainer.lightning_module
+        if worker_output.weights_path is not None and any(p.is_meta for p in module.parameters()):
+            state = self._strategy.checkpoint_io.load_checkpoint(worker_output.weights_path)
+            module.load_state_dict(state, strict=False, assign=True)
+            self._strategy.checkpoint_io.remove_checkpoint(worker_output.weights_path)
+            worker_output = worker_output._replace(weights_path=None)  # loaded: the base class must not again
+        super()._recover_results_in_main_process(worker_output, trainer)
+

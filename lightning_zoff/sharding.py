@@ -61,27 +61,51 @@ def shard_model(
     mesh: DeviceMesh,
     param_dtype: torch.dtype,
 ) -> dict[int, torch.Tensor]:
-    """Shard `model` in place and return this rank's fp32 master shards, keyed by id of the sharded parameter.
+    """Shard `model` in place, one unit at a time, and return this rank's fp32 master shards, keyed by id of the
+    sharded parameter.
 
     The masters are cut from the fp32 weights before the parameters are cast to `param_dtype`, so the master
-    keeps every bit and the accelerator holds only `param_dtype` shards.
+    keeps every bit and the accelerator holds only `param_dtype` shards. Parameters still on the meta device (a
+    model built under `trainer.init_module(empty_init=True)`) are materialised and initialised here, a unit at a
+    time (`reset_parameters()` of the modules holding them): no rank ever holds more than one unit in full.
     """
     world_size, rank = mesh.size(), mesh.get_local_rank()
-    masters = {
-        name: local_chunk(p.detach(), world_size, rank).to(torch.float32, copy=True)
-        for name, p in model.named_parameters()
-    }
-    with torch.no_grad():
-        for p in model.parameters():
-            p.data = p.data.to(param_dtype)
-    for _, module in units:
-        fully_shard(module, mesh=mesh, reshard_after_forward=True)
+    masters: dict[str, torch.Tensor] = {}
+    for unit_name, unit in units:  # inner units first: a unit's own parameters are those no earlier unit took
+        prefix = f"{unit_name}." if unit_name else ""
+        _materialize(unit, {id(p) for _, p in _untaken(model, prefix, masters)})
+        with torch.no_grad():  # looked up again: materialising replaced the parameter objects
+            for name, p in _untaken(model, prefix, masters):
+                masters[name] = local_chunk(p.detach(), world_size, rank).to(torch.float32, copy=True)
+                p.data = p.data.to(param_dtype)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=True)
     sharded = dict(model.named_parameters())
     for name, master in masters.items():
         if sharded[name].to_local().shape != master.shape:
             raise RuntimeError(f"zoff: shard of {name} is {tuple(sharded[name].to_local().shape)}, expected"
                                f" {tuple(master.shape)}; FSDP2 sharded it differently than dim-0 chunks.")
     return {id(sharded[name]): master for name, master in masters.items()}
+
+
+def _untaken(model: nn.Module, prefix: str, taken: dict[str, torch.Tensor]) -> list[tuple[str, nn.Parameter]]:
+    return [(name, p) for name, p in model.named_parameters() if name.startswith(prefix) and name not in taken]
+
+
+def _materialize(unit: nn.Module, param_ids: set[int]) -> None:
+    """Give the meta-device parameters among `param_ids` real fp32 memory on the CPU and their initial values."""
+    for module in unit.modules():
+        direct = [p for p in module.parameters(recurse=False) if id(p) in param_ids]
+        if not any(p.is_meta for p in direct):
+            continue
+        init = getattr(module, "reset_parameters", None)
+        if not callable(init):
+            raise TypeError(
+                f"zoff: {type(module).__name__} was built on the meta device (empty_init=True) but has no"
+                " reset_parameters() to initialise its parameters; add one, or build the model without empty_init."
+            )
+        module.to_empty(device="cpu", recurse=False)
+        with torch.no_grad():
+            init()
 
 
 def checkpoint_activations(model: nn.Module, classes: Iterable[type[nn.Module]]) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Generator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -225,6 +227,17 @@ class ZoffStrategy(ParallelStrategy):
                  self._cpu_layout.describe())
 
     # -- model and optimizer --------------------------------------------------------------------------------
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # `trainer.init_module(empty_init=True)`: build on the meta device; `setup` materialises and initialises
+        # one unit at a time while sharding, so no rank ever holds the whole model
+        if empty_init:
+            with torch.device("meta"):
+                yield
+        else:
+            with super().tensor_init_context(empty_init):
+                yield
 
     def setup(self, trainer: Any) -> None:
         assert self.model is not None and self.accelerator is not None

@@ -101,3 +101,27 @@ def test_model_larger_than_host_memory_stops_before_training(monkeypatch):
     monkeypatch.setenv("ZOFF_HOST_MEMORY_BYTES", str(100_000))  # the forked rank inherits it
     with fails(MemoryError, r"needs 0\.\d GB of host memory .* machine has 0\.0 GB\. Options: overlap=False .*more nodes"):
         run(NoStep())
+
+
+class Gain(torch.nn.Module):
+    """A parameter with no reset_parameters(): nothing can initialise it after an empty (meta) init."""
+
+    def __init__(self):
+        super().__init__()
+        self.g = torch.nn.Parameter(torch.ones(4))
+
+
+class MetaWithoutInit(NoStep):
+    def __init__(self):
+        super().__init__()
+        self.gain = Gain()
+
+
+def test_meta_module_without_reset_parameters():
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=ZoffStrategy(start_method="fork"), max_steps=1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    with trainer.init_module(empty_init=True):
+        module = MetaWithoutInit()
+    with fails(TypeError, "Gain was built on the meta device .* no reset_parameters"):
+        trainer.fit(module, token_loader(n=16))

@@ -14,9 +14,10 @@ import tiny
 from tiny import Probe, TinyModule, read_probe, token_loader
 
 
-def fit(tmp_path, strategy, *, devices=2, precision="32-true", batch_size=4, max_steps=12, optimizer="adamw", accumulate=2, **kw):
+def fit(tmp_path, strategy, *, devices=2, precision="32-true", batch_size=4, max_steps=12, optimizer="adamw", accumulate=2,
+        module=None, **kw):
     pl.seed_everything(7)
-    module = TinyModule(optimizer)
+    module = module or TinyModule(optimizer)
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, precision=precision, max_steps=max_steps,
         accumulate_grad_batches=accumulate, gradient_clip_val=0.84, callbacks=[Probe(tmp_path)], logger=False,
@@ -192,3 +193,48 @@ def test_activation_checkpointing_policy_must_match_a_module(tmp_path):
     # raised in the ranks at setup, before any step: the launcher hands it on wrapped
     with pytest.raises((ValueError, ProcessRaisedException), match="activation_checkpointing_policy=.*GRU.*matches no"):
         fit(tmp_path, ZoffStrategy(start_method="fork", activation_checkpointing_policy={torch.nn.GRU}), max_steps=1)
+
+
+class MetaCheck(TinyModule):
+    def on_fit_start(self):
+        # by now every parameter is real: each rank materialised and initialised its units while sharding
+        assert not any(p.is_meta or p.to_local().is_meta for p in self.parameters())
+
+
+class LateModule(TinyModule):
+    """The model is built in configure_model (Lightning calls it in each rank, before the strategy's setup)."""
+
+    def __init__(self):
+        super().__init__()
+        del self.model
+
+    def configure_model(self):
+        if not hasattr(self, "model"):
+            self.model = tiny.TinyLM()
+
+
+def test_model_built_in_configure_model_trains_like_one_built_in_init(tmp_path):
+    fit(tmp_path, ZoffStrategy(start_method="fork"), module=LateModule())
+    zoff = read_probe(tmp_path)
+    reference = tmp_path / "init"
+    reference.mkdir()
+    fit(reference, ZoffStrategy(start_method="fork"))
+    assert zoff["losses"] == read_probe(reference)["losses"]  # bit for bit in 32-true: same init, same steps
+
+
+def test_empty_init_builds_on_meta_and_each_rank_initialises_its_units(tmp_path):
+    pl.seed_everything(7)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=ZoffStrategy(start_method="fork"), max_steps=12,
+        accumulate_grad_batches=2, callbacks=[Probe(tmp_path)], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    with trainer.init_module(empty_init=True):
+        module = MetaCheck()
+    assert all(p.is_meta for p in module.parameters())  # nothing allocated in the parent
+    trainer.fit(module, train_dataloaders=token_loader())
+    losses = read_probe(tmp_path)["losses"]
+    assert losses[-1] < losses[0] - 0.3  # initialised (reset_parameters) and learning
+    # the main process got the trained fp32 weights, though its model never had memory of its own
+    assert not any(p.is_meta for p in module.parameters())
+    assert all(p.dtype == torch.float32 and p.abs().sum() > 0 for p in module.parameters())
