@@ -479,6 +479,27 @@ class ZoffStrategy(ParallelStrategy):
             self._state_mesh = state_mesh(self.engine)
         return self._state_mesh
 
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor] | str | Path, strict: bool = True) -> None:
+        """Load whole (unsharded) weights, such as a pretrained model's, into the sharded model: every rank copies
+        only its own rows into its fp32 master and refreshes its 16-bit shards. A path is memory-mapped, so a rank
+        reads its rows, not the whole file. Call it once the strategy is set up (for example in `on_fit_start`)."""
+        if self.engine is None:
+            raise RuntimeError("load_full_state_dict needs the sharded model and its optimizer state: call it once"
+                               " fit has set up the strategy (for example in `on_fit_start`).")
+        if isinstance(state_dict, (str, Path)):
+            state_dict = torch.load(state_dict, map_location="cpu", mmap=True, weights_only=True)
+            state_dict = state_dict.get("state_dict", state_dict)
+        self.engine.wait_idle()
+        module = self.lightning_module
+        targets = sharded_model_state(module, self.engine, self._mesh())
+        missing, unexpected = sorted(targets.keys() - state_dict.keys()), sorted(state_dict.keys() - targets.keys())
+        if strict and (missing or unexpected):
+            raise KeyError(f"load_full_state_dict: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}"
+                           f" ({len(missing)} and {len(unexpected)}); pass strict=False to load the keys that match.")
+        fill_from_full({k: v for k, v in targets.items() if k in state_dict}, state_dict, self.world_size,
+                       self.global_rank)
+        finish_restore(module, self.engine, None, None)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The LightningModule's state dict with fp32 master weights, on every rank (a collective)."""
         assert self.engine is not None
