@@ -223,8 +223,8 @@ class ZoffStrategy(ParallelStrategy):
             # each rank of the node on its own cores, torch's pool shrunk to what the kernels leave (on CPU
             # machines torch's threads do the training itself, so they keep the process's cores)
             apply_layout(self._cpu_layout)
-        log.info("zoff rank %d (local %d of %d): %s", self.global_rank, self.local_rank, self.num_processes,
-                 self._cpu_layout.describe())
+        log.info("zoff rank %d (local %d of %d): %s%s", self.global_rank, self.local_rank, self.num_processes,
+                 self._cpu_layout.describe(), "" if on_gpu and self.offload else " (planned, not pinned: torch trains here)")
 
     # -- model and optimizer --------------------------------------------------------------------------------
 

@@ -25,6 +25,8 @@ for stage in "$@"; do
     bench) timeout 330 python3 scripts/bench.py --runs gpu_only zoff --accumulate 1 4 --steps 6 --warmup 2 --out "$OUT/bench.json" 2>&1 | tail -12 | tee "$OUT/bench.txt" ;;
     bench_acc1) timeout ${BENCH_TIMEOUT:-380} python3 scripts/bench.py --runs gpu_only zoff deepspeed_zero3_offload --accumulate 1 --steps 6 --warmup 2 --out "$OUT/bench_acc1.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/bench_acc1.txt" ;;
     bench_acc4) timeout ${BENCH_TIMEOUT:-540} python3 scripts/bench.py --runs gpu_only zoff zoff_accum_gpu zoff_accum_gpu_retained deepspeed_zero3_offload --accumulate 4 --steps 5 --warmup 2 --out "$OUT/bench_acc4.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/bench_acc4.txt" ;;
+    scaling) timeout 300 python3 scripts/check_scaling.py --devices 2 --steps 20 --out "$OUT/scaling_check.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/scaling_check.txt" ;;
+    bench_2gpu) timeout ${BENCH_TIMEOUT:-540} python3 scripts/bench.py --devices 2 --runs gpu_only zoff deepspeed_zero3_offload --accumulate 1 4 --steps 5 --warmup 2 --out "$OUT/bench_2gpu.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/bench_2gpu.txt" ;;
     bench_more) timeout ${BENCH_TIMEOUT:-400} python3 scripts/bench.py --runs fsdp2_cpu_offload zoff zoff_sync --accumulate 1 4 --steps 5 --warmup 2 --out "$OUT/bench_more.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/bench_more.txt" ;;
   esac
 done
