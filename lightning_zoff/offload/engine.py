@@ -480,10 +480,12 @@ class OffloadEngine:
         event = unit.params_copied
         if event is not None:
             torch.cuda.current_stream(self.param_device).wait_event(event)
-            comm = getattr(module._get_fsdp_state(), "_comm_ctx", None)  # FSDP2's all-gather streams
-            for name in ("all_gather_copy_in_stream", "all_gather_stream"):
-                stream = getattr(comm, name, None)
-                if stream is not None:
+            comm = getattr(module._get_fsdp_state(), "_comm_ctx", None)  # FSDP2's all-gather streams (private)
+            streams = [getattr(comm, name, None) for name in ("all_gather_copy_in_stream", "all_gather_stream")]
+            if any(stream is None for stream in streams):
+                event.synchronize()  # a torch whose FSDP2 keeps them elsewhere: wait on the host, always safe
+            else:
+                for stream in streams:
                     stream.wait_event(event)
 
     def wait_idle(self) -> None:
