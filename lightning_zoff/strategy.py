@@ -217,8 +217,7 @@ class ZoffStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout)
         on_gpu = self.root_device.type == "cuda"
-        self._cpu_layout = plan_layout(sorted(os.sched_getaffinity(0)), self.local_rank, self.num_processes,
-                                       self.cpu_threads, keep_one_for_training=on_gpu and self.overlap and self.offload)
+        self._cpu_layout = self._plan_cpu_layout()
         if on_gpu and self.offload:
             # each rank of the node on its own cores, torch's pool shrunk to what the kernels leave (on CPU
             # machines torch's threads do the training itself, so they keep the process's cores)
@@ -344,9 +343,14 @@ class ZoffStrategy(ParallelStrategy):
 
     def _optimizer_threads(self) -> int:
         if self._cpu_layout is None:  # setup_environment did not run (a strategy driven by hand)
-            self._cpu_layout = plan_layout(sorted(os.sched_getaffinity(0)), self.local_rank, self.num_processes,
-                                           self.cpu_threads, keep_one_for_training=False)
+            self._cpu_layout = self._plan_cpu_layout()
         return self._cpu_layout.kernel_threads
+
+    def _plan_cpu_layout(self) -> CpuLayout:
+        # on a GPU machine the training thread keeps a core to launch kernels while the overlapped update runs
+        keep_one = self.root_device.type == "cuda" and self.overlap and self.offload
+        return plan_layout(sorted(os.sched_getaffinity(0)), self.local_rank, self.num_processes, self.cpu_threads,
+                           keep_one_for_training=keep_one)
 
     def _log_memory(self) -> None:
         assert self.engine is not None

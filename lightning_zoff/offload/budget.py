@@ -32,9 +32,13 @@ def check_host_budget(elements: int, ranks_on_node: int, *, param_bytes: int, se
     """Refuse a model whose host state cannot fit in this machine's memory, naming the bytes and what would fit;
     warn when it exceeds what is free now. ZOFF_HOST_MEMORY_BYTES overrides the machine's total (tests, shared
     hosts)."""
-    per_element = host_bytes_per_element(param_bytes=param_bytes, second_moment=second_moment, overlap=overlap,
-                                         accum_bytes=accum_bytes)
-    needed = elements * per_element * ranks_on_node
+    options = dict(param_bytes=param_bytes, second_moment=second_moment, overlap=overlap, accum_bytes=accum_bytes)
+
+    def needs(**change: object) -> int:  # bytes on this node, with some options changed
+        return elements * ranks_on_node * host_bytes_per_element(**{**options, **change})
+
+    per_element = host_bytes_per_element(**options)
+    needed = needs()
     total = int(os.environ.get("ZOFF_HOST_MEMORY_BYTES", 0)) or _meminfo_bytes("MemTotal")
     if total is None:
         return
@@ -42,10 +46,9 @@ def check_host_budget(elements: int, ranks_on_node: int, *, param_bytes: int, se
     if needed > total:
         smaller = []
         if overlap:
-            saving = elements * ranks_on_node * 4 * (3 if second_moment else 2)
-            smaller.append(f"overlap=False ({(needed - saving) / gb:.1f} GB)")
+            smaller.append(f"overlap=False ({needs(overlap=False) / gb:.1f} GB)")
         if accum_bytes == 4 and param_bytes == 2:
-            smaller.append(f"grad_accum_dtype='bf16' or 'fp16' ({(needed - 2 * elements * ranks_on_node) / gb:.1f} GB)")
+            smaller.append(f"grad_accum_dtype='bf16' or 'fp16' ({needs(accum_bytes=2) / gb:.1f} GB)")
         smaller.append("more nodes (the host state splits across all ranks)")
         raise MemoryError(
             f"zoff: the optimizer state needs {needed / gb:.1f} GB of host memory on this node ({ranks_on_node} rank(s)"
