@@ -15,7 +15,7 @@ fi
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
-    env) { nvidia-smi -L; nproc; lscpu | grep -E "Model name|Flags" | cut -c1-300; free -g | head -2
+    env) { nvidia-smi -L; nproc; lscpu | grep -i numa; lscpu | grep -E "Model name|Flags" | cut -c1-300; free -g | head -2
            python3 -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__)"; } 2>&1 | tee "$OUT/env.txt" ;;
     suite) timeout 200 python3 -m pytest -q -x tests/test_kernels.py tests/test_optim.py tests/test_training.py 2>&1 | tail -6 | tee "$OUT/pytest.txt" ;;
     reference) timeout 150 python3 scripts/check_reference.py --steps 30 --out "$OUT/reference_check.json" 2>&1 | grep -v "^INFO\|Tip\|available:" | tail -40 | tee "$OUT/reference_check.txt" ;;
@@ -26,7 +26,8 @@ for stage in "$@"; do
     bench_acc1) timeout ${BENCH_TIMEOUT:-380} python3 scripts/bench.py --runs gpu_only zoff deepspeed_zero3_offload --accumulate 1 --steps 6 --warmup 2 --out "$OUT/bench_acc1.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/bench_acc1.txt" ;;
     bench_acc4) timeout ${BENCH_TIMEOUT:-540} python3 scripts/bench.py --runs gpu_only zoff zoff_accum_gpu zoff_accum_gpu_retained deepspeed_zero3_offload --accumulate 4 --steps 5 --warmup 2 --out "$OUT/bench_acc4.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/bench_acc4.txt" ;;
     scaling) timeout 300 python3 scripts/check_scaling.py --devices 2 --steps 20 --out "$OUT/scaling_check.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/scaling_check.txt" ;;
-    bench_2gpu) timeout ${BENCH_TIMEOUT:-540} python3 scripts/bench.py --devices 2 --runs gpu_only zoff deepspeed_zero3_offload --accumulate 1 4 --steps 5 --warmup 2 --out "$OUT/bench_2gpu.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/bench_2gpu.txt" ;;
+    bench_2gpu) timeout ${BENCH2_TIMEOUT:-540} python3 scripts/bench.py --devices 2 --runs gpu_only zoff deepspeed_zero3_offload --accumulate 1 4 --steps 5 --warmup 2 --out "$OUT/bench_2gpu.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/bench_2gpu.txt" ;;
+    bench_1of2) CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_TIMEOUT:-200} taskset -c 0-$(( $(nproc) / 2 - 1 )) python3 scripts/bench.py --runs zoff --accumulate 4 --steps 5 --warmup 2 --out "$OUT/bench_1of2.json" 2>&1 | grep -v "^INFO" | tail -20 | tee "$OUT/bench_1of2.txt" ;;
     bench_more) timeout ${BENCH_TIMEOUT:-400} python3 scripts/bench.py --runs fsdp2_cpu_offload zoff zoff_sync --accumulate 1 4 --steps 5 --warmup 2 --out "$OUT/bench_more.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/bench_more.txt" ;;
   esac
 done
