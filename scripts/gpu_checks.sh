@@ -28,6 +28,9 @@ for stage in "$@"; do
     scaling) timeout 300 python3 scripts/check_scaling.py --devices 2 --steps 20 --out "$OUT/scaling_check.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/scaling_check.txt" ;;
     bench_2gpu) timeout ${BENCH2_TIMEOUT:-540} python3 scripts/bench.py --devices 2 --runs gpu_only zoff deepspeed_zero3_offload --accumulate 1 4 --steps 5 --warmup 2 --out "$OUT/bench_2gpu.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/bench_2gpu.txt" ;;
     bench_1of2) CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_TIMEOUT:-200} taskset -c 0-$(( $(nproc) / 2 - 1 )) python3 scripts/bench.py --runs zoff --accumulate 4 --steps 5 --warmup 2 --out "$OUT/bench_1of2.json" 2>&1 | grep -v "^INFO" | tail -20 | tee "$OUT/bench_1of2.txt" ;;
+    bench_4gpu) timeout ${BENCH4_TIMEOUT:-400} python3 scripts/bench.py --devices 4 --runs zoff deepspeed_zero3_offload --accumulate 1 --steps 5 --warmup 2 --out "$OUT/bench_4gpu_acc1.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/bench_4gpu_acc1.txt"
+                timeout ${BENCH4_TIMEOUT:-400} python3 scripts/bench.py --devices 4 --runs zoff --accumulate 4 --steps 5 --warmup 2 --out "$OUT/bench_4gpu_acc4.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/bench_4gpu_acc4.txt" ;;
+    bench_2of4) CUDA_VISIBLE_DEVICES=0,1 timeout ${BENCH_TIMEOUT:-200} taskset -c 0-$(( $(nproc) / 2 - 1 )) python3 scripts/bench.py --devices 2 --runs zoff --accumulate 4 --steps 5 --warmup 2 --out "$OUT/bench_2of4.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/bench_2of4.txt" ;;
     bench_more) timeout ${BENCH_TIMEOUT:-400} python3 scripts/bench.py --runs fsdp2_cpu_offload zoff zoff_sync --accumulate 1 4 --steps 5 --warmup 2 --out "$OUT/bench_more.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/bench_more.txt" ;;
   esac
 done
