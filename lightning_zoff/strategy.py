@@ -250,7 +250,8 @@ class ZoffStrategy(ParallelStrategy):
             self._units = plan_units(module, self.wrap_policy)
             checkpoint_activations(module, self.activation_checkpointing_policy)
             mesh = init_device_mesh(self.root_device.type, (self.world_size,))
-            self._masters = shard_model(module, self._units, mesh, self.precision_plugin.param_dtype)
+            with torch_threads(len(self._cpu_layout.cores)):  # meta init and master copies: no kernels run yet
+                self._masters = shard_model(module, self._units, mesh, self.precision_plugin.param_dtype)
             module.to(self.root_device)  # buffers and anything FSDP2 did not move
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
