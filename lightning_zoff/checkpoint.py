@@ -151,6 +151,15 @@ def _gathered(module: nn.Module, engine: OffloadEngine, key: str, with_optimizer
     return out
 
 
+def unmatched_keys(module: nn.Module, targets: dict[str, Any], full: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """Keys of `targets` that `full` lacks, and keys of `full` that `targets` lacks. A tied parameter is there when
+    any of its names is (Hugging Face checkpoints keep one of them); `targets` holds it under each name as one
+    tensor, so filling one name fills all."""
+    aliases = {name: names for names in param_names(module).values() for name in names}
+    missing = [k for k in targets.keys() - full.keys() if not any(a in full for a in aliases.get(k, ()))]
+    return sorted(missing), sorted(full.keys() - targets.keys())
+
+
 def fill_from_full(targets: dict[str, Any], full: dict[str, Any], world_size: int, rank: int) -> None:
     """Copy this rank's rows of each whole tensor in `full` into the (sharded or plain) tensor at the same key of
     `targets`, recursing into dicts; the counterpart of a sharded load for a checkpoint saved whole."""

@@ -10,6 +10,8 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 
+from lightning_zoff.checkpoint import param_names
+
 
 class ZoffMultiProcessingLauncher(_MultiProcessingLauncher):
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> _WorkerOutput | None:
@@ -31,8 +33,13 @@ class ZoffMultiProcessingLauncher(_MultiProcessingLauncher):
         # A model built on the meta device (empty_init=True) has no memory to copy the weights into: give it theirs.
         module = trainer.lightning_module
         if worker_output.weights_path is not None and any(p.is_meta for p in module.parameters()):
+            tied = [names for names in param_names(module).values() if len(names) > 1]
             state = self._strategy.checkpoint_io.load_checkpoint(worker_output.weights_path)
             module.load_state_dict(state, strict=False, assign=True)
+            for first, *others in tied:  # assign gave each name a parameter of its own: one again, as built
+                for name in others:
+                    owner, _, attr = name.rpartition(".")
+                    setattr(module.get_submodule(owner), attr, module.get_parameter(first))
             self._strategy.checkpoint_io.remove_checkpoint(worker_output.weights_path)
             worker_output = worker_output._replace(weights_path=None)  # loaded: the base class must not again
         super()._recover_results_in_main_process(worker_output, trainer)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import sys
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -21,13 +22,20 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
 
 def plan_units(model: nn.Module, wrap_policy: Iterable[type[nn.Module]] | None = None) -> list[tuple[str, nn.Module]]:
     """Units in the order they must be sharded (inner first): the blocks, then each top-level child of `model`
-    that holds parameters outside the blocks (for a GPT: the embeddings, final norm and head)."""
+    that holds parameters outside the blocks (for a GPT: the embeddings, final norm and head).
+
+    A parameter shared by several modules (tied input and output embeddings) must live in one unit, or FSDP2 would
+    shard it twice and the tie would break: a candidate block that shares a parameter with a module outside it is
+    not a unit (its parameters go to the unit around it), and two top-level children that share one are refused.
+    """
     if wrap_policy:
         classes = tuple(wrap_policy)
         candidates = [m for m in model.modules() if isinstance(m, classes) and m is not model]
     else:
         candidates = repeated_blocks(model)
     names = {m: n for n, m in model.named_modules()}
+    holders = _holders(model)
+    candidates = [m for m in candidates if not _shares_outside(m, holders)]
     # keep the outermost: a block inside another block is covered by it
     chosen = set(candidates)
     blocks = [m for m in candidates if not any(a in chosen for a in _ancestors(model, m))]
@@ -38,7 +46,28 @@ def plan_units(model: nn.Module, wrap_policy: Iterable[type[nn.Module]] | None =
             " Move these parameters into a submodule (for example `self.model = MyNet()`)."
         )
     roots = [(n, c) for n, c in model.named_children() if any(id(p) not in in_blocks for p in c.parameters())]
+    for name, child in roots:
+        if _shares_outside(child, holders):
+            raise ValueError(
+                f"{type(model).__name__}.{name} shares a parameter with another top-level submodule; zoff shards each"
+                " top-level submodule on its own, so modules with tied parameters must sit under one of them (for"
+                " example `self.model = MyNet()` holding both the embedding and the head)."
+            )
     return [(names[b], b) for b in blocks] + roots
+
+
+def _holders(model: nn.Module) -> dict[int, list[nn.Module]]:
+    """Every module that holds each parameter directly, by id of the parameter (tied parameters have several)."""
+    holders: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            holders.setdefault(id(p), []).append(module)
+    return holders
+
+
+def _shares_outside(unit: nn.Module, holders: dict[int, list[nn.Module]]) -> bool:
+    inside = set(unit.modules())
+    return any(m not in inside for p in unit.parameters() for m in holders[id(p)])
 
 
 def _ancestors(root: nn.Module, target: nn.Module) -> list[nn.Module]:
@@ -60,6 +89,7 @@ def shard_model(
     units: list[tuple[str, nn.Module]],
     mesh: DeviceMesh,
     param_dtype: torch.dtype,
+    init_fn: ParamInitFn | None = None,
 ) -> dict[int, torch.Tensor]:
     """Shard `model` in place, one unit at a time, and return this rank's fp32 master shards, keyed by id of the
     sharded parameter.
@@ -67,18 +97,21 @@ def shard_model(
     The masters are cut from the fp32 weights before the parameters are cast to `param_dtype`, so the master
     keeps every bit and the accelerator holds only `param_dtype` shards. Parameters still on the meta device (a
     model built under `trainer.init_module(empty_init=True)`) are materialised and initialised here, a unit at a
-    time (`reset_parameters()` of the modules holding them): no rank ever holds more than one unit in full.
+    time (`init_fn`, default `default_param_init(model)`; see `materialize`): no rank ever holds more than one
+    unit in full.
     """
     world_size, rank = mesh.size(), mesh.get_local_rank()
+    init_fn = init_fn or default_param_init(model)
     masters: dict[str, torch.Tensor] = {}
     for unit_name, unit in units:  # inner units first: a unit's own parameters are those no earlier unit took
         prefix = f"{unit_name}." if unit_name else ""
-        _materialize(unit, {id(p) for _, p in _untaken(model, prefix, masters)})
+        materialize(unit, init_fn)  # the inner units are real already; this takes what is left
         with torch.no_grad():  # looked up again: materialising replaced the parameter objects
             for name, p in _untaken(model, prefix, masters):
                 masters[name] = local_chunk(p.detach(), world_size, rank).to(torch.float32, copy=True)
                 p.data = p.data.to(param_dtype)
         fully_shard(unit, mesh=mesh, reshard_after_forward=True)
+    materialize(model, init_fn)  # buffers of top-level children that hold no parameters
     sharded = dict(model.named_parameters())
     for name, master in masters.items():
         if sharded[name].to_local().shape != master.shape:
@@ -91,21 +124,106 @@ def _untaken(model: nn.Module, prefix: str, taken: dict[str, torch.Tensor]) -> l
     return [(name, p) for name, p in model.named_parameters() if name.startswith(prefix) and name not in taken]
 
 
-def _materialize(unit: nn.Module, param_ids: set[int]) -> None:
-    """Give the meta-device parameters among `param_ids` real fp32 memory on the CPU and their initial values."""
-    for module in unit.modules():
-        direct = [p for p in module.parameters(recurse=False) if id(p) in param_ids]
-        if not any(p.is_meta for p in direct):
-            continue
-        init = getattr(module, "reset_parameters", None)
-        if not callable(init):
+ParamInitFn = Callable[[nn.Module], None]
+
+
+def default_param_init(root: nn.Module) -> ParamInitFn:
+    """How a module materialised from the meta device gets its initial values, by the first that applies:
+    `root.init_module_weights(module)` when the LightningModule (`root`) defines it; for a module of a Hugging Face
+    model, `_init_weights` of the innermost `PreTrainedModel` holding it (as transformers itself initialises a
+    model built on meta: weights by the model's scheme, and buffers such as the rotary `inv_freq` recomputed);
+    else the module's own `reset_parameters()`."""
+    hook = getattr(root, "init_module_weights", None)
+    if callable(hook):
+        return hook
+    hf_owner = _hf_owners(root)
+
+    def init(module: nn.Module) -> None:
+        owner = hf_owner.get(module)
+        if owner is not None:
+            owner._init_weights(module)
+            return
+        reset = getattr(module, "reset_parameters", None)
+        if not callable(reset):
             raise TypeError(
-                f"zoff: {type(module).__name__} was built on the meta device (empty_init=True) but has no"
-                " reset_parameters() to initialise its parameters; add one, or build the model without empty_init."
+                f"zoff: {type(module).__name__} was built on the meta device (empty_init=True) and zoff does not know"
+                " how to initialise it: it has no reset_parameters(). Define `init_module_weights(self, module)` on"
+                " the LightningModule, pass ZoffStrategy(param_init_fn=...), or build the model without empty_init."
             )
-        module.to_empty(device="cpu", recurse=False)
-        with torch.no_grad():
-            init()
+        if any(True for _ in module.buffers(recurse=False)) and not type(module).__module__.startswith("torch."):
+            # torch's own modules reset their buffers there (BatchNorm's running stats); others may compute them
+            # in __init__, and those values are gone once built on meta
+            raise TypeError(
+                f"zoff: {type(module).__name__} was built on the meta device (empty_init=True) and holds buffers its"
+                " reset_parameters() may not recompute. Define `init_module_weights(self, module)` on the"
+                " LightningModule to set them, or build the model without empty_init."
+            )
+        reset()
+
+    return init
+
+
+def _hf_owners(root: nn.Module) -> dict[nn.Module, nn.Module]:
+    """Each module under a transformers `PreTrainedModel`, mapped to the innermost one (whose `_init_weights`
+    transformers applies to it)."""
+    transformers = sys.modules.get("transformers")  # no model can be a PreTrainedModel unless it was imported
+    if transformers is None:
+        return {}
+    owners: dict[nn.Module, nn.Module] = {}
+
+    def walk(module: nn.Module, owner: nn.Module | None) -> None:
+        if isinstance(module, transformers.PreTrainedModel):
+            owner = module
+        if owner is not None:
+            owners[module] = owner
+        for child in module.children():
+            walk(child, owner)
+
+    walk(root, None)
+    return owners
+
+
+def materialize(root: nn.Module, init_fn: ParamInitFn) -> None:
+    """Give every meta-device parameter and buffer under `root` memory on the CPU (in its own dtype) and its initial
+    values: `init_fn(module)` for each module holding one directly, in module order.
+
+    A parameter held by several modules (tied weights) becomes one new parameter in all of them. Floating-point
+    memory starts as NaN, so a tensor that `init_fn` did not write is named instead of training from garbage.
+    """
+    modules = [m for m in root.modules() if any(t.is_meta for t in _direct_tensors(m))]
+    if not modules:
+        return
+    replaced: dict[int, torch.Tensor] = {}
+    for module in modules:
+        for kind, name, tensor in _direct_named_tensors(module):
+            if not tensor.is_meta:
+                continue
+            if id(tensor) not in replaced:
+                real = torch.empty_like(tensor, device="cpu")
+                if real.is_floating_point():
+                    real.fill_(float("nan"))
+                replaced[id(tensor)] = nn.Parameter(real, tensor.requires_grad) if kind == "param" else real
+            (module._parameters if kind == "param" else module._buffers)[name] = replaced[id(tensor)]
+    with torch.no_grad():
+        for module in modules:
+            init_fn(module)
+    names = {id(t): name for name, t in [*root.named_parameters(remove_duplicate=False), *root.named_buffers()]}
+    for tensor in replaced.values():
+        if tensor.is_floating_point() and tensor.isnan().any():
+            raise RuntimeError(
+                f"zoff: {names.get(id(tensor), 'a tensor')} was built on the meta device and its initialisation"
+                f" ({getattr(init_fn, '__qualname__', init_fn)}) left it unset; initialise every parameter and buffer"
+                " of the module it is given."
+            )
+
+
+def _direct_named_tensors(module: nn.Module) -> list[tuple[str, str, torch.Tensor]]:
+    params = [("param", n, p) for n, p in module._parameters.items() if p is not None]
+    return params + [("buffer", n, b) for n, b in module._buffers.items() if b is not None]
+
+
+def _direct_tensors(module: nn.Module) -> list[torch.Tensor]:
+    return [t for _, _, t in _direct_named_tensors(module)]
 
 
 def checkpoint_activations(model: nn.Module, classes: Iterable[type[nn.Module]]) -> None:

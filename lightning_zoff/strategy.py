@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from lightning_zoff import checkpoint_files
 from lightning_zoff.checkpoint import (
     apply_weights, finish_restore, fill_from_full, full_optimizer_state, full_state_dict, sharded_model_state,
-    sharded_optimizer_state, state_mesh, weight_targets,
+    sharded_optimizer_state, state_mesh, unmatched_keys, weight_targets,
 )
 from lightning_zoff.cpus import CpuLayout, apply_layout, plan_layout, torch_threads
 from lightning_zoff.launchers import ZoffMultiProcessingLauncher
@@ -38,7 +38,7 @@ from lightning_zoff.offload import OffloadEngine, StepOutcome, describe_memory
 from lightning_zoff.precision import ZoffPrecision
 from lightning_zoff.schedulers import SkipAwareScheduler
 from lightning_zoff.telemetry import StepTimer
-from lightning_zoff.sharding import checkpoint_activations, is_sharded, plan_units, shard_model
+from lightning_zoff.sharding import ParamInitFn, checkpoint_activations, is_sharded, plan_units, shard_model
 
 log = logging.getLogger("lightning_zoff")
 
@@ -87,6 +87,10 @@ class ZoffStrategy(ParallelStrategy):
         state_dict_type: ``"sharded"``: checkpoints are directories in which every rank writes its own rows of the
             fp32 master weights and optimizer state (torch.distributed.checkpoint), resumable at any world size;
             ``"full"``: one file from rank 0 with whole tensors, loadable without zoff (gathered on every rank).
+        param_init_fn: ``callable(module)`` that sets the initial values of a module built on the meta device
+            (``trainer.init_module(empty_init=True)``) once zoff gave it memory, a unit at a time. Default: the
+            LightningModule's ``init_module_weights(module)`` if it has one, else Hugging Face's ``_init_weights``
+            for modules of a transformers model, else the module's ``reset_parameters()``.
     """
 
     strategy_name = "zoff"
@@ -112,6 +116,7 @@ class ZoffStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         state_dict_type: Literal["sharded", "full"] = "sharded",
+        param_init_fn: ParamInitFn | None = None,
     ) -> None:
         if start_method not in ("subprocess", "fork", "spawn", "forkserver"):
             raise ValueError(f"start_method={start_method!r}; choose 'subprocess', 'fork', 'spawn' or 'forkserver'.")
@@ -133,6 +138,9 @@ class ZoffStrategy(ParallelStrategy):
         if state_dict_type not in ("sharded", "full"):
             raise ValueError(f"state_dict_type={state_dict_type!r}; choose 'sharded' or 'full'.")
         self.state_dict_type = state_dict_type
+        if param_init_fn is not None and not callable(param_init_fn):
+            raise TypeError(f"ZoffStrategy(param_init_fn={param_init_fn!r}): expected a callable(module), or None.")
+        self.param_init_fn = param_init_fn
         self._state_mesh: Any = None
         self.cpu_threads = cpu_threads
         self.retain_gpu_grad_partition_until_step = bool(retain_gpu_grad_partition_until_step)
@@ -251,7 +259,8 @@ class ZoffStrategy(ParallelStrategy):
             checkpoint_activations(module, self.activation_checkpointing_policy)
             mesh = init_device_mesh(self.root_device.type, (self.world_size,))
             with torch_threads(len(self._cpu_layout.cores)):  # meta init and master copies: no kernels run yet
-                self._masters = shard_model(module, self._units, mesh, self.precision_plugin.param_dtype)
+                self._masters = shard_model(module, self._units, mesh, self.precision_plugin.param_dtype,
+                                            self.param_init_fn)
             module.to(self.root_device)  # buffers and anything FSDP2 did not move
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -497,7 +506,7 @@ class ZoffStrategy(ParallelStrategy):
         self.engine.wait_idle()
         module = self.lightning_module
         targets = sharded_model_state(module, self.engine, self._mesh())
-        missing, unexpected = sorted(targets.keys() - state_dict.keys()), sorted(state_dict.keys() - targets.keys())
+        missing, unexpected = unmatched_keys(module, targets, state_dict)
         if strict and (missing or unexpected):
             raise KeyError(f"load_full_state_dict: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}"
                            f" ({len(missing)} and {len(unexpected)}); pass strict=False to load the keys that match.")

@@ -2,6 +2,13 @@
 
     python scripts/bench.py                          # GPT 1.34B (d=2048, 24 layers, seq 1024, batch 8) on 1 GPU
     python scripts/bench.py --model small --runs zoff gpu_only --accumulate 1
+    python scripts/bench.py --model qwen3_4b --runs zoff deepspeed_zero3_offload --accumulate 1 --zoff-option overlap=False
+    python scripts/bench.py --model qwen3_tiny --runs zoff --accumulate 1 --steps 2 --warmup 1   # CPU smoke test
+
+zoff runs build the model on the meta device (`trainer.init_module(empty_init=True)`: each rank initialises only its
+own units, so the host never holds the whole fp32 model next to the masters); DeepSpeed builds it in
+`configure_model` under `deepspeed.zero.Init` (partitioned as it is created). `--zoff-option key=value` (repeatable)
+sets ZoffStrategy options of every zoff run, over the variant's own.
 
 Prints a table and writes bench/results/<date>_<machine>.json:
 {"machine": ..., "runs": [{"name", "accumulate", "step_s_median", "tokens_per_s", "exposed_optimizer_s",
@@ -25,10 +32,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# GPTs (lightning_zoff.examples.gpt) by their shape; Hugging Face models (lightning_zoff.examples.hf) by preset
 MODELS = {
     "gpt1b": dict(vocab_size=32000, block_size=1024, n_layer=24, n_head=16, n_embd=2048, bias=False),
+    # conf/model/gpt_7b.yaml's 6.7B shape at gpt1b's sequence length
+    "gpt7b": dict(vocab_size=32000, block_size=1024, n_layer=32, n_head=32, n_embd=4096, bias=False),
     "tiny": dict(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64, bias=False),  # CPU smoke test
     "small": dict(vocab_size=32000, block_size=512, n_layer=4, n_head=8, n_embd=512, bias=False),
+    "qwen3_4b": dict(hf="qwen3_4b", block_size=512),  # Qwen3-4B's shape, 4.02B, tied embeddings
+    "qwen3_tiny": dict(hf="qwen3_tiny", block_size=64),  # CPU smoke test
 }
 # zoff variants: the synchronous engine, and where the sum of an accumulation window lives (issue 4's question)
 ZOFF_VARIANTS = {
@@ -42,56 +54,93 @@ ZOFF_VARIANTS = {
 RUNS = ("gpu_only", "deepspeed_zero3_offload", "fsdp2_cpu_offload", *ZOFF_VARIANTS, "zoff_no_offload")
 
 
-def build_run(name: str, cfg: dict):
-    """(LightningModule, strategy, precision) of one run: the same GPT and AdamW hyperparameters everywhere."""
+def build_run(name: str, model_name: str, zoff_options: dict):
+    """(module factory taking the Trainer, strategy, precision) of one run: the same model and AdamW
+    hyperparameters (lr 1e-4, betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on matrices) everywhere."""
+    import functools
+
     import torch
     from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 
-    from lightning_zoff.examples.gpt import GPTModule
+    spec = dict(MODELS[model_name])
+    if "hf" in spec:
+        from lightning_zoff.examples.hf import HFCausalLM as Family
 
-    def groups(module):  # the example's two param groups (decay / no decay), as plain dicts
-        return [{"params": g["params"], "weight_decay": g["weight_decay"]}
-                for g in GPTModule.configure_optimizers(module).param_groups]
+        kwargs = dict(model=spec["hf"])
+    else:
+        from lightning_zoff.examples.gpt import GPTModule as Family
 
-    class DeepSpeedOffloadGPT(GPTModule):
-        def configure_optimizers(self):
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
+        kwargs = spec
+    adamw = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
-            return DeepSpeedCPUAdam(groups(self), lr=self.hparams.lr, betas=tuple(self.hparams.betas),
-                                    eps=self.hparams.eps, adamw_mode=True)
+    class DeepSpeedOffload(Family):
+        def configure_model(self):
+            # built again here, under DeepSpeed's zero.Init: each parameter is partitioned as it is created
+            if any(p.is_meta for p in self.model.parameters()):
+                self.model = type(self.model)(self.model.config)
 
-    class FSDP2OffloadGPT(GPTModule):
+    class FSDP2Offload(Family):
         def configure_model(self):
             from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+            from lightning_zoff.sharding import repeated_blocks
 
             mesh = self.device_mesh["data_parallel"]
             policy = dict(mesh=mesh, offload_policy=CPUOffloadPolicy(),
                           mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
-            for block in self.model.blocks:
+            for block in repeated_blocks(self.model):
                 fully_shard(block, **policy)
             fully_shard(self.model, **policy)
 
-        def configure_optimizers(self):
-            return torch.optim.AdamW(groups(self), lr=self.hparams.lr, betas=tuple(self.hparams.betas),
-                                     eps=self.hparams.eps, fused=True)
-
     if name == "deepspeed_zero3_offload":
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
         # Lightning's own strategy, as users run it, with pinned memory asked for explicitly
         strategy = DeepSpeedStrategy(stage=3, offload_optimizer=True, offload_optimizer_device="cpu", pin_memory=True)
-        return DeepSpeedOffloadGPT(**cfg, lr=1e-4), strategy, "bf16-mixed"
+        optimizer = functools.partial(DeepSpeedCPUAdam, **adamw, adamw_mode=True)
+
+        def build_for_deepspeed(trainer):
+            with torch.device("meta"):  # shapes only: configure_model builds the model for real
+                return DeepSpeedOffload(**kwargs, optimizer=optimizer)
+
+        return build_for_deepspeed, strategy, "bf16-mixed"
     if name == "fsdp2_cpu_offload":
         # FSDP2 casts to bf16 itself (MixedPrecisionPolicy); "32-true" keeps Lightning's plugin out of the way
-        return FSDP2OffloadGPT(**cfg, lr=1e-4), ModelParallelStrategy(), "32-true"
-    if name in ZOFF_VARIANTS:
+        optimizer = functools.partial(torch.optim.AdamW, **adamw, fused=True)
+        return lambda trainer: FSDP2Offload(**kwargs, optimizer=optimizer), ModelParallelStrategy(), "32-true"
+    if name in ZOFF_VARIANTS or name == "zoff_no_offload":
         from lightning_zoff import ZoffStrategy
 
-        return GPTModule(**cfg, lr=1e-4), ZoffStrategy(**ZOFF_VARIANTS[name]), "bf16-mixed"
+        options = {**ZOFF_VARIANTS.get(name, {}), **zoff_options}
+        strategy = ZoffStrategy(**options, offload=name != "zoff_no_offload")
+
+        def build_on_meta(trainer):
+            with trainer.init_module(empty_init=True):  # each rank initialises only its own units
+                return Family(**kwargs, **adamw)
+
+        return build_on_meta, strategy, "bf16-mixed"
     # gpu_only uses torch's default (foreach) AdamW on the GPU: Lightning refuses clipping with the fused one
-    strategy = {"gpu_only": "auto", "zoff_no_offload": "zoff_no_offload"}[name]
-    return GPTModule(**cfg, lr=1e-4), strategy, "bf16-mixed"
+    return lambda trainer: Family(**kwargs, **adamw), "auto", "bf16-mixed"
 
 
-def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int, batch: int, devices: int) -> dict:
+def parse_options(pairs: list[str]) -> dict:
+    """`key=value` strings into ZoffStrategy keyword arguments; values are Python literals (False, 8) or strings."""
+    import ast
+
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--zoff-option {pair!r}: expected key=value, for example overlap=False")
+        try:
+            options[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            options[key] = value
+    return options
+
+
+def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int, batch: int, devices: int,
+            zoff_options: dict) -> dict:
     import lightning.pytorch as pl
     import torch
 
@@ -99,6 +148,10 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
     from lightning_zoff.examples.corpus import SyntheticDataModule
 
     cfg = MODELS[model_name]
+    if "hf" in cfg:
+        from lightning_zoff.examples.hf import hf_config
+
+        cfg = {**cfg, "vocab_size": hf_config(cfg["hf"]).vocab_size}
 
     class Timer(pl.Callback):
         """Window wall time; the GPU memory after each non-final micro-batch's backward and the window's peak."""
@@ -139,8 +192,7 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
             self.step_start, self.opt_start = None, None
 
     pl.seed_everything(0)
-    module, strategy, precision = build_run(name, cfg)
-    params = sum(p.numel() for p in module.parameters())
+    build_module, strategy, precision = build_run(name, model_name, zoff_options)
     data = SyntheticDataModule(vocab_size=cfg["vocab_size"], block_size=cfg["block_size"], batch_size=batch,
                                num_samples=devices * (batch * accumulate * (steps + warmup) + batch))
     timer = Timer()
@@ -149,6 +201,8 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
                          max_steps=steps + warmup, accumulate_grad_batches=accumulate, gradient_clip_val=1.0,
                          callbacks=[timer], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, limit_val_batches=0)
+    module = build_module(trainer)
+    params = sum(p.numel() for p in module.parameters())
     trainer.fit(module, datamodule=data)
     step_s = statistics.median(timer.steps[warmup:])
     zoff = {key: statistics.median(t[key] for t in timer.zoff[warmup:]) for key in timer.zoff[-1]} if timer.zoff[-1] else {}
@@ -164,7 +218,7 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
         "window_peak_gpu_gb": statistics.median(timer.window_peak[warmup:]) if timer.window_peak else None,
         "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0,
         "host_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
-        "params": params, "steps": timer.steps, "model": model_name,
+        "params": params, "steps": timer.steps, "model": model_name, "zoff_options": zoff_options,
         "memory": getattr(trainer.strategy, "memory_report", None),
     }
 
@@ -178,11 +232,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8, help="per device")
     parser.add_argument("--devices", type=int, default=1, help="GPUs per run (ranks of one node)")
+    parser.add_argument("--zoff-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a ZoffStrategy option for the zoff runs, e.g. overlap=False (repeatable)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    zoff_options = parse_options(args.zoff_option)
     if args.one:  # child: one run, result as the last stdout line
-        result = run_one(args.one, args.model, args.accumulate[0], args.steps, args.warmup, args.batch, args.devices)
+        result = run_one(args.one, args.model, args.accumulate[0], args.steps, args.warmup, args.batch, args.devices,
+                         zoff_options)
         if result["rank"] == 0:  # the other ranks (re-run by Lightning from this command line) share stdout
             print("RESULT " + json.dumps(result), flush=True)
         return
@@ -196,7 +254,7 @@ def main() -> None:
         for name in args.runs:
             cmd = [sys.executable, __file__, "--one", name, "--model", args.model, "--accumulate", str(accumulate),
                    "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
-                   "--devices", str(args.devices)]
+                   "--devices", str(args.devices), *(f"--zoff-option={o}" for o in args.zoff_option)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
             if proc.returncode or not lines:

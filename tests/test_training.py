@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -11,7 +13,7 @@ from torch.multiprocessing import ProcessRaisedException
 import lightning_zoff
 from lightning_zoff import ZoffStrategy
 import tiny
-from tiny import Probe, TinyModule, read_probe, token_loader
+from tiny import SEQ, VOCAB, Probe, TinyModule, read_probe, token_loader
 
 
 def fit(tmp_path, strategy, *, devices=2, precision="32-true", batch_size=4, max_steps=12, optimizer="adamw", accumulate=2,
@@ -238,3 +240,51 @@ def test_empty_init_builds_on_meta_and_each_rank_initialises_its_units(tmp_path)
     # the main process got the trained fp32 weights, though its model never had memory of its own
     assert not any(p.is_meta for p in module.parameters())
     assert all(p.dtype == torch.float32 and p.abs().sum() > 0 for p in module.parameters())
+
+
+class InitStats(pl.Callback):
+    """At the start of fit, in rank 0: statistics of the gathered fp32 masters the ranks initialised."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def on_fit_start(self, trainer, pl_module):
+        state = trainer.strategy.full_state_dict()
+        if trainer.is_global_zero:
+            stats = {name: [t.mean().item(), t.std().item()] for name, t in state.items() if t.numel() > 1}
+            (self.out / "init.json").write_text(json.dumps(stats))
+
+
+def fit_on_meta(out, build, **strategy_kw):
+    pl.seed_everything(7)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=ZoffStrategy(start_method="fork", **strategy_kw), max_steps=1,
+        callbacks=[InitStats(out)], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with trainer.init_module(empty_init=True):
+        module = build()
+    trainer.fit(module, train_dataloaders=token_loader(n=16))
+    return json.loads((out / "init.json").read_text())
+
+
+def test_meta_built_gpt_gets_its_own_init_in_the_ranks(tmp_path):
+    from lightning_zoff.examples.gpt import GPTModule
+
+    # the ranks run GPTModule.init_module_weights (N(0, 0.02)), not torch's defaults (kaiming-uniform: std 0.05 here)
+    stats = fit_on_meta(tmp_path, lambda: GPTModule(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=128))
+    for name in ("model.blocks.0.attn.qkv.weight", "model.blocks.1.mlp.proj.weight", "model.tok_emb.weight",
+                 "model.lm_head.weight"):
+        assert stats[name][1] == pytest.approx(0.02, rel=0.1), name
+    assert stats["model.blocks.0.ln_1.weight"] == [1.0, 0.0]
+
+
+def test_param_init_fn_initialises_what_was_built_on_meta(tmp_path):
+    def constant(module):
+        for p in module.parameters(recurse=False):
+            torch.nn.init.constant_(p, 0.125)
+
+    stats = fit_on_meta(tmp_path, TinyModule, param_init_fn=constant)
+    assert stats and all(value == [0.125, 0.0] for value in stats.values())
+    with pytest.raises(TypeError, match="param_init_fn='normal'.*callable"):
+        ZoffStrategy(param_init_fn="normal")

@@ -138,6 +138,20 @@ class GPT(nn.Module):
         return idx
 
 
+def decay_groups(module: nn.Module) -> list[dict]:
+    """Two param groups: weight matrices (decayed) and the rest (biases, norms, embeddings: weight_decay=0).
+    Embeddings are 2-D but act as lookup tables: decaying them only shrinks rare tokens (a head tied to the token
+    embedding counts as an embedding)."""
+    embedding_params = {id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    decay, no_decay = [], []
+    for p in module.parameters():
+        if not p.requires_grad:
+            continue
+        is_matrix = p.dim() >= 2 and id(p) not in embedding_params
+        (decay if is_matrix else no_decay).append(p)
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
 # Builds the optimizer from param groups: `functools.partial(torch.optim.AdamW, lr=...)`, Hydra's `_partial_: true`
 # or LightningCLI's `class_path` + `init_args` all give one.
 OptimizerFactory = Callable[[Iterable], torch.optim.Optimizer]
@@ -175,6 +189,11 @@ class GPTModule(pl.LightningModule):
             GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout, bias, tie_weights)
         )
 
+    def init_module_weights(self, module: nn.Module) -> None:
+        """The GPT's own init for one module: what zoff calls on each module it materialises from the meta device
+        (`trainer.init_module(empty_init=True)`), where torch's defaults would otherwise apply."""
+        GPT._init_weights(module)
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         return self.model(idx, targets)
 
@@ -201,17 +220,7 @@ class GPTModule(pl.LightningModule):
 
     def configure_optimizers(self):
         # Runs after the strategy has sharded the model, so look parameters up now, not in __init__.
-        # Embeddings are 2-D but act as lookup tables: decaying them only shrinks rare tokens.
-        embedding_params = {
-            id(p) for m in self.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
-        }
-        decay, no_decay = [], []
-        for p in self.parameters():
-            if not p.requires_grad:
-                continue
-            is_matrix = p.dim() >= 2 and id(p) not in embedding_params
-            (decay if is_matrix else no_decay).append(p)
-        optimizer = self.optimizer_factory([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}])
+        optimizer = self.optimizer_factory(decay_groups(self))
         hp = self.hparams
         if hp.lr_step_size <= 0:
             return optimizer

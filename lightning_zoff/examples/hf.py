@@ -1,0 +1,117 @@
+"""Hugging Face transformers causal LMs (Llama, Qwen3, OPT, ...) trained like the GPT example: same data, loss and
+optimizer groups. Needs `pip install -e '.[hf]'`.
+
+Models are built from a config with random weights; nothing is downloaded. `model` names a preset below, a
+transformers model type (`"llama"`, `"qwen3"`, `"opt"`, ...) or a local directory holding a `config.json`;
+`config` changes or adds config values:
+
+    HFCausalLM("qwen3_tiny")
+    HFCausalLM("llama", config=dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, vocab_size=256))
+
+As with `GPTModule`, the model is built in `__init__`. Under zoff, build a large one on the meta device:
+
+    with trainer.init_module(empty_init=True):
+        module = HFCausalLM("qwen3_4b")
+
+Each rank then materialises and initialises only its own units, by the model's own `_init_weights` (which also
+recomputes buffers such as the rotary `inv_freq`): see `lightning_zoff.sharding.default_param_init`.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from lightning_zoff.examples.gpt import OptimizerFactory, decay_groups
+
+# name: (transformers model type, config values). The tiny ones use the corpus data module's byte vocabulary.
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama_tiny": ("llama", dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256,
+    )),
+    "qwen3_tiny": ("qwen3", dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True,
+    )),
+    "opt_tiny": ("opt", dict(
+        vocab_size=256, hidden_size=64, word_embed_proj_dim=64, ffn_dim=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=256, dropout=0.0, tie_word_embeddings=True,
+    )),
+    # Qwen3-4B's shape: 4.02B parameters, the 389M-parameter embedding tied to the head
+    "qwen3_4b": ("qwen3", dict(
+        vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, tie_word_embeddings=True,
+    )),
+}
+
+
+def hf_config(model: str, config: dict[str, Any] | None = None) -> PretrainedConfig:
+    """The transformers config of a preset, a model type or a local config directory, with `config` applied."""
+    config = dict(config or {})
+    if model in PRESETS:
+        model_type, values = PRESETS[model]
+        return AutoConfig.for_model(model_type, **{**values, **config})
+    if Path(model).is_dir():
+        loaded = AutoConfig.from_pretrained(model, local_files_only=True)
+        loaded.update(config)
+        return loaded
+    try:
+        return AutoConfig.for_model(model, **config)
+    except ValueError as error:
+        raise ValueError(f"HFCausalLM(model={model!r}): not a preset ({', '.join(PRESETS)}), a transformers model"
+                         " type or a directory with a config.json") from error
+
+
+class HFCausalLM(pl.LightningModule):
+    """A transformers causal LM with its training loop. Batches are `(tokens, next tokens)` pairs, as the corpus and
+    synthetic data modules give them; the loss is the mean cross entropy in fp32. `optimizer` builds the optimizer
+    from two param groups (decay, no decay); without it, torch.optim.AdamW from `lr`, `weight_decay`, `betas`, `eps`.
+    """
+
+    def __init__(
+        self,
+        model: str = "llama_tiny",
+        config: dict[str, Any] | None = None,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        attn_implementation: str = "sdpa",
+        optimizer: OptimizerFactory | None = None,
+    ):
+        super().__init__()
+        self.save_hyperparameters(ignore=["optimizer"])
+        self.optimizer_factory = optimizer or functools.partial(
+            torch.optim.AdamW, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay
+        )
+        self.model = AutoModelForCausalLM.from_config(hf_config(model, config), attn_implementation=attn_implementation)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=idx, use_cache=False).logits
+
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        # float32 so that bf16 logits do not round the log-softmax
+        return F.cross_entropy(self(x).float().flatten(0, 1), y.flatten())
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.loss(batch), prog_bar=True, sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", self.loss(batch), sync_dist=True)
+
+    def configure_optimizers(self):
+        return self.optimizer_factory(decay_groups(self))

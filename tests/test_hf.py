@@ -1,0 +1,285 @@
+"""Hugging Face transformers causal LMs under zoff: training on 2 ranks against DDP, tied embeddings, models built on
+the meta device with the model's own init (buffers included), and pretrained weights loaded into the shards."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+
+from lightning_zoff import ZoffStrategy
+from lightning_zoff.examples.corpus import CorpusDataModule
+from lightning_zoff.examples.gpt import GPTModule
+from lightning_zoff.examples.hf import PRESETS, HFCausalLM, hf_config
+from lightning_zoff.sharding import default_param_init, materialize, plan_units
+from resume_run import SaveBatch
+from tiny import Probe, read_probe
+
+TINY = ["llama_tiny", "qwen3_tiny", "opt_tiny"]
+EMBED, HEAD = "model.model.embed_tokens.weight", "model.lm_head.weight"  # Llama and Qwen3 names
+
+
+class Recorded(HFCausalLM):
+    """Keeps every micro-batch's loss for `Probe`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(loss.item())
+        return loss
+
+
+def corpus() -> CorpusDataModule:
+    return CorpusDataModule(block_size=32, batch_size=4, max_bytes=100_000)
+
+
+def fit(out: Path, strategy, module: pl.LightningModule | None = None, *, max_steps: int = 6, accumulate: int = 2,
+        callbacks=(), trainer_hook=None) -> tuple[pl.Trainer, pl.LightningModule]:
+    """2 ranks, 32-true, clipping; `trainer_hook(trainer)` builds the module when given."""
+    out.mkdir(parents=True, exist_ok=True)
+    pl.seed_everything(7)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=max_steps, accumulate_grad_batches=accumulate,
+        gradient_clip_val=1.0, callbacks=[Probe(out), *callbacks], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+    )
+    module = module if module is not None else trainer_hook(trainer)
+    trainer.fit(module, datamodule=corpus())
+    return trainer, module
+
+
+def rel_err(a, b) -> float:
+    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    return ((a - b).abs() / b.abs()).max().item()
+
+
+# -- building on the meta device: the model's own init, buffers recomputed, ties kept -----------------------------
+
+def init_statistics_match(built: nn.Module, meta_built: nn.Module, std: float) -> None:
+    """Same init distribution per tensor: constant tensors (norms, biases) equal, random ones N(0, std)."""
+    reference = built.state_dict()
+    for name, value in meta_built.state_dict().items():
+        expected = reference[name]
+        assert value.shape == expected.shape and value.dtype == expected.dtype, name
+        if expected.numel() > 1 and expected.std() > 0:
+            assert value.std().item() == pytest.approx(std, rel=0.1), name
+            assert expected.std().item() == pytest.approx(std, rel=0.1), name  # the reference draws the same
+            assert abs(value.mean().item()) < 4 * std / math.sqrt(value.numel()), name
+        else:
+            assert torch.equal(value, expected), name
+
+
+@pytest.mark.parametrize("preset", TINY)
+def test_meta_built_hf_model_gets_its_own_init_and_buffers(preset):
+    torch.manual_seed(0)
+    built = HFCausalLM(preset)
+    with torch.device("meta"):
+        meta_built = HFCausalLM(preset)
+    materialize(meta_built, default_param_init(meta_built))
+    # non-persistent buffers (the rotary inv_freq) are not in the state dict: compared on their own, bit for bit
+    buffers = dict(built.named_buffers())
+    assert buffers.keys() == dict(meta_built.named_buffers()).keys()
+    for name, buffer in meta_built.named_buffers():
+        assert buffer.device.type == "cpu" and torch.equal(buffer, buffers[name]), name
+    config = built.model.config
+    init_statistics_match(built, meta_built, std=getattr(config, "initializer_range", None) or config.init_std)
+    tied = built.model.config.tie_word_embeddings
+    head, embed = meta_built.model.get_output_embeddings().weight, meta_built.model.get_input_embeddings().weight
+    assert (head is embed) == tied and isinstance(head, nn.Parameter)
+    assert sum(p.numel() for p in meta_built.parameters()) == sum(p.numel() for p in built.parameters())
+
+
+def test_meta_built_gpt_gets_the_gpts_init():
+    # statistics, not bits: the meta path initialises unit by unit, so the RNG runs in another order
+    kwargs = dict(block_size=32, n_layer=2, n_head=2, n_embd=64)
+    torch.manual_seed(0)
+    built = GPTModule(**kwargs)
+    with torch.device("meta"):
+        meta_built = GPTModule(**kwargs)
+    materialize(meta_built, default_param_init(meta_built))  # GPTModule.init_module_weights: N(0, 0.02)
+    init_statistics_match(built, meta_built, std=0.02)
+    # without the hook, torch's defaults: Linear's kaiming-uniform, std 1/sqrt(3 * fan_in) = 0.072 here
+    with torch.device("meta"):
+        plain = GPTModule(**kwargs)
+    materialize(plain, lambda module: module.reset_parameters())
+    assert plain.model.blocks[0].mlp.fc.weight.std().item() == pytest.approx(1 / math.sqrt(3 * 64), rel=0.1)
+
+
+class Scale(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.register_buffer("table", torch.arange(n, dtype=torch.float32))  # computed in __init__
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def test_meta_materialisation_refusals():
+    with torch.device("meta"):
+        scale = Scale(4)
+    # reset_parameters() of a module that is not torch's own may not recompute the buffers built in __init__
+    with pytest.raises(TypeError, match="Scale was built on the meta device .* holds buffers"):
+        materialize(scale, default_param_init(scale))
+    with torch.device("meta"):
+        scale = Scale(4)
+    # an init that misses a tensor: named, instead of training from uninitialised memory
+    with pytest.raises(RuntimeError, match="table was built on the meta device and its initialisation .* left it unset"):
+        materialize(scale, lambda module: module.reset_parameters())
+    with torch.device("meta"):
+        scale = Scale(4)
+    materialize(scale, lambda module: (module.reset_parameters(), module.table.copy_(torch.arange(4.0))))
+    assert torch.equal(scale.table, torch.arange(4.0)) and torch.equal(scale.weight, torch.ones(4))
+
+
+def test_tied_parameters_stay_in_one_unit():
+    tied = HFCausalLM("qwen3_tiny")
+    layer = type(tied.model.model.layers[0])
+    # asked for the embedding as a unit of its own: it shares its weight with the head, so it stays in the root
+    units = dict(plan_units(tied, {layer, nn.Embedding}))
+    assert list(units) == ["model.model.layers.0", "model.model.layers.1", "model"]
+    untied = HFCausalLM("qwen3_tiny", config={"tie_word_embeddings": False})
+    assert "model.model.embed_tokens" in dict(plan_units(untied, {layer, nn.Embedding}))
+
+    class TwoRoots(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
+            self.head.weight = self.embed.weight
+
+    with pytest.raises(ValueError, match="TwoRoots.embed shares a parameter with another top-level submodule"):
+        plan_units(TwoRoots())
+
+
+def test_presets_and_optimizer_groups():
+    config = hf_config("qwen3_4b")
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
+            config.head_dim, config.intermediate_size, config.vocab_size, config.tie_word_embeddings) == (
+            2560, 36, 32, 8, 128, 9728, 151936, True)
+    with torch.device("meta"):  # shapes only
+        qwen3_4b = HFCausalLM("qwen3_4b")
+    assert 4.0e9 < sum(p.numel() for p in qwen3_4b.parameters()) < 4.05e9
+    assert set(PRESETS) >= {"llama_tiny", "qwen3_tiny", "opt_tiny", "qwen3_4b"}
+    module = HFCausalLM("qwen3_tiny", lr=2e-3)
+    decay, no_decay = module.configure_optimizers().param_groups
+    assert decay["lr"] == 2e-3 and no_decay["weight_decay"] == 0.0
+    # the head is the embedding (tied): a lookup table, not decayed; norms are not decayed either
+    assert id(module.model.lm_head.weight) in {id(p) for p in no_decay["params"]}
+    assert all(p.dim() == 2 for p in decay["params"])
+    with pytest.raises(ValueError, match="not a preset .*qwen3_tiny"):
+        hf_config("no_such_model")
+
+
+# -- training on 2 ranks ------------------------------------------------------------------------------------------
+
+def test_llama_trains_on_two_ranks(tmp_path):
+    _, module = fit(tmp_path, ZoffStrategy(start_method="fork"), Recorded("llama_tiny", lr=3e-3), max_steps=10)
+    losses = read_probe(tmp_path)["losses"]
+    assert len(losses) == 20
+    assert abs(losses[0] - math.log(256)) < 0.3  # near-uniform predictions at the start
+    assert sum(losses[-4:]) / 4 < losses[0] - 1.0
+    assert not module.model.config.tie_word_embeddings
+
+
+class TieCheck(pl.Callback):
+    """After training, in every rank: are the gathered embedding and head (fp32 masters) the same values?"""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer, pl_module):
+        state = trainer.strategy.full_state_dict() if isinstance(trainer.strategy, ZoffStrategy) else pl_module.state_dict()
+        (self.out / f"tie{trainer.global_rank}.json").write_text(json.dumps(torch.equal(state[EMBED], state[HEAD])))
+
+
+def test_tied_embeddings_train_like_ddp_and_stay_tied(tmp_path):
+    ref_out, zoff_out = tmp_path / "ddp", tmp_path / "zoff"
+    _, ref = fit(ref_out, DDPStrategy(start_method="fork"), Recorded("qwen3_tiny", lr=3e-3))
+    _, module = fit(zoff_out, ZoffStrategy(start_method="fork"), Recorded("qwen3_tiny", lr=3e-3),
+                    callbacks=[TieCheck(zoff_out)])
+    zoff, ddp = read_probe(zoff_out), read_probe(ref_out)
+    assert len(zoff["losses"]) == 12 and rel_err(zoff["losses"], ddp["losses"]) < 1e-5
+    assert zoff["losses"][-1] < zoff["losses"][0] - 0.5
+    # held and updated once: the ranks' shards add up to the deduplicated parameter count
+    ranks = [zoff, read_probe(zoff_out, 1)]
+    assert sum(r["memory"]["local_params"] for r in ranks) == zoff["num_params"] == sum(p.numel() for p in module.parameters())
+    assert all(json.loads((zoff_out / f"tie{r}.json").read_text()) for r in (0, 1))
+    assert module.model.lm_head.weight is module.model.model.embed_tokens.weight
+    ref_state = ref.state_dict()
+    for name, value in module.state_dict().items():
+        torch.testing.assert_close(value, ref_state[name], rtol=1e-4, atol=1e-5)
+
+
+class BufferCheck(pl.Callback):
+    """In every rank at the start of fit: the model's buffers against a model built on the CPU the ordinary way."""
+
+    def __init__(self, out: Path, preset: str) -> None:
+        self.out, self.preset = out, preset
+
+    def on_fit_start(self, trainer, pl_module):
+        reference = dict(HFCausalLM(self.preset).named_buffers())
+        same = {name: torch.equal(b.cpu(), reference[name]) for name, b in pl_module.named_buffers()}
+        (self.out / f"buffers{trainer.global_rank}.json").write_text(json.dumps(same))
+
+
+def test_meta_built_hf_model_trains_on_two_ranks(tmp_path):
+    def build_on_meta(trainer):
+        with trainer.init_module(empty_init=True):
+            module = Recorded("qwen3_tiny", lr=3e-3)
+        assert all(t.is_meta for t in [*module.parameters(), *module.buffers()])  # nothing allocated here
+        return module
+
+    _, module = fit(tmp_path, ZoffStrategy(start_method="fork"), trainer_hook=build_on_meta, max_steps=10,
+                    callbacks=[BufferCheck(tmp_path, "qwen3_tiny")])
+    for rank in (0, 1):
+        same = json.loads((tmp_path / f"buffers{rank}.json").read_text())
+        assert set(same) == {"model.model.rotary_emb.inv_freq", "model.model.rotary_emb.original_inv_freq"}
+        assert all(same.values())
+    built = tmp_path / "built"  # the same run from a model built on the CPU: another draw of the same init
+    fit(built, ZoffStrategy(start_method="fork"), Recorded("qwen3_tiny", lr=3e-3), max_steps=10)
+    losses, reference = read_probe(tmp_path)["losses"], read_probe(built)["losses"]
+    assert abs(losses[0] - reference[0]) < 0.15 and abs(losses[0] - math.log(256)) < 1.0
+    assert sum(losses[-4:]) / 4 < losses[0] - 1.0
+    # the main process's model, which never had memory, got the trained weights, tied as built
+    assert not any(p.is_meta for p in module.parameters())
+    assert module.model.lm_head.weight is module.model.model.embed_tokens.weight
+
+
+# -- pretrained weights into the shards ---------------------------------------------------------------------------
+
+class LoadAtStart(pl.Callback):
+    def __init__(self, path: Path, pretrained: dict, out: Path):
+        self.path, self.pretrained, self.out = path, pretrained, out
+
+    def on_fit_start(self, trainer, pl_module):
+        trainer.strategy.load_full_state_dict(self.path)
+        gathered = trainer.strategy.full_state_dict()
+        same = all(torch.equal(gathered[k], v) for k, v in self.pretrained.items())
+        (self.out / f"same{trainer.global_rank}.json").write_text(json.dumps(same))
+
+
+def test_pretrained_hf_weights_give_the_full_models_loss(tmp_path):
+    pl.seed_everything(123)
+    pretrained = HFCausalLM("qwen3_tiny")
+    state = pretrained.state_dict()
+    path = tmp_path / "pretrained.pt"
+    # as Hugging Face checkpoints do, keep one name of the tied pair: the head comes with the embedding
+    torch.save({k: v for k, v in state.items() if k != HEAD}, path)
+    fit(tmp_path, ZoffStrategy(start_method="fork"), Recorded("qwen3_tiny"), max_steps=1, accumulate=1,
+        callbacks=[LoadAtStart(path, state, tmp_path), SaveBatch(0, tmp_path)])
+    # the model was built from another seed; after the load, its masters are the pretrained weights bit for bit
+    assert all(json.loads((tmp_path / f"same{r}.json").read_text()) for r in (0, 1))
+    x, y = torch.load(tmp_path / "batch0.pt")
+    with torch.no_grad():
+        expected = F.cross_entropy(pretrained(x).flatten(0, 1), y.flatten()).item()
+    assert read_probe(tmp_path)["losses"][0] == pytest.approx(expected, rel=1e-6)
