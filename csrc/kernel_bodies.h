@@ -6,12 +6,20 @@
 // for ownership first, which saves a read of every byte written). Streaming needs aligned whole vectors, so
 // only the Simd loop streams, from an aligned start.
 enum class Stores { kCached, kStreamOut, kStreamAll };  // kStreamOut: the 16-bit copy; kStreamAll: new state too
+                                                       // (the moments as kStreamMoments allows)
 
 template <class V, bool kNonTemporal, class T>
 inline void put(T* p, typename V::F x) {
   if constexpr (kNonTemporal) V::stream(p, x);
   else V::store(p, x);
 }
+
+// Whether the new moments stream along with the new state: only where one vector of them is 32 bytes or more. On the
+// 2-core AMD EPYC test VM (AVX2), streaming bf16 moments (16-byte vectors) made the update into other arrays 5-7x
+// slower than cached stores; fp32 ones (32 bytes) cost 1.5-2x there, and gained 1.55x on the GPU machine's Xeon
+// (AVX-512, 64 bytes). bf16 moments with AVX-512 (32 bytes) stream: not measured yet (scripts/bench_kernels.py).
+template <class V, class M>
+constexpr bool kStreamMoments = V::kWidth * sizeof(M) >= 32;
 
 template <class V>
 inline void fence() {
@@ -39,6 +47,7 @@ struct AdamVec {  // AdamConsts broadcast to V's lanes
 template <class V, class G, class M, class Out, Stores kStores = Stores::kCached>
 inline void adam_at(const AdamTask& t, const AdamVec<V>& c, int64_t i) {
   constexpr bool kStreamState = kStores == Stores::kStreamAll, kStreamOut = kStores != Stores::kCached;
+  constexpr bool kStreamM = kStreamState && kStreamMoments<V, M>;
   using F = typename V::F;
   const AdamConsts& k = t.k;
   F g = V::load(static_cast<const G*>(t.grad) + i) * c.grad_scale;
@@ -52,8 +61,8 @@ inline void adam_at(const AdamTask& t, const AdamVec<V>& c, int64_t i) {
   v = c.beta2 * v + c.one_minus_beta2 * g * g;
   const F denom = V::sqrt(v) / c.bc2_sqrt + c.eps;
   p = p + c.neg_step_size * m / denom;
-  put<V, kStreamState>(static_cast<M*>(t.exp_avg_out) + i, m);
-  put<V, kStreamState>(static_cast<M*>(t.exp_avg_sq_out) + i, v);
+  put<V, kStreamM>(static_cast<M*>(t.exp_avg_out) + i, m);
+  put<V, kStreamM>(static_cast<M*>(t.exp_avg_sq_out) + i, v);
   put<V, kStreamState>(t.param_out + i, p);
   if constexpr (!std::is_void_v<Out>) put<V, kStreamOut>(static_cast<Out*>(t.out) + i, p);
 }
@@ -73,7 +82,9 @@ Stores stores_from(bool allowed, const void* out, const float* param_out, std::i
     if (in_place) return Stores::kStreamOut;
     if (!aligned_for_stream<Simd>(param_out + i, sizeof(float))) return Stores::kStreamOut;
     for (const void* m : moments_out) {
-      if (!aligned_for_stream<Simd>(static_cast<const M*>(m) + i, sizeof(M))) return Stores::kStreamOut;
+      if (kStreamMoments<Simd, M> && !aligned_for_stream<Simd>(static_cast<const M*>(m) + i, sizeof(M))) {
+        return Stores::kStreamOut;
+      }
     }
     return Stores::kStreamAll;
   }
@@ -127,6 +138,7 @@ struct LionVec {
 template <class V, class G, class M, class Out, Stores kStores = Stores::kCached>
 inline void lion_at(const LionTask& t, const LionVec<V>& c, int64_t i) {
   constexpr bool kStreamState = kStores == Stores::kStreamAll, kStreamOut = kStores != Stores::kCached;
+  constexpr bool kStreamM = kStreamState && kStreamMoments<V, M>;
   using F = typename V::F;
   const F g = V::load(static_cast<const G*>(t.grad) + i) * c.grad_scale;
   F m = V::load(static_cast<const M*>(t.exp_avg) + i);
@@ -135,7 +147,7 @@ inline void lion_at(const LionTask& t, const LionVec<V>& c, int64_t i) {
   if (t.k.decoupled_decay) p = p * c.decay;
   p = p - c.lr * V::sign(direction);
   m = c.beta2 * m + c.one_minus_beta2 * g;
-  put<V, kStreamState>(static_cast<M*>(t.exp_avg_out) + i, m);
+  put<V, kStreamM>(static_cast<M*>(t.exp_avg_out) + i, m);
   put<V, kStreamState>(t.param_out + i, p);
   if constexpr (!std::is_void_v<Out>) put<V, kStreamOut>(static_cast<Out*>(t.out) + i, p);
 }
