@@ -30,7 +30,8 @@ MODELS = {
     "tiny": dict(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64, bias=False),  # CPU smoke test
     "small": dict(vocab_size=32000, block_size=512, n_layer=4, n_head=8, n_embd=512, bias=False),
 }
-# zoff variants: the synchronous engine, and where the sum of an accumulation window lives (issue 4's question)
+# zoff variants: the synchronous engine, where the sum of an accumulation window lives (issue 4's question), bf16
+# moments (issue 10)
 ZOFF_VARIANTS = {
     "zoff": {},
     "zoff_sync": dict(overlap=False),
@@ -38,6 +39,8 @@ ZOFF_VARIANTS = {
     "zoff_accum_host": dict(grad_accum_on="host"),
     "zoff_accum_gpu": dict(grad_accum_on="accelerator"),
     "zoff_accum_gpu_retained": dict(grad_accum_on="accelerator", retain_gpu_grad_partition_until_step=True),
+    "zoff_bf16_moments": dict(optimizer_state_dtype="bf16"),  # 20 B/param of host traffic instead of 28
+    "zoff_sync_bf16_moments": dict(overlap=False, optimizer_state_dtype="bf16"),  # the 7B-on-128-GB configuration
 }
 RUNS = ("gpu_only", "deepspeed_zero3_offload", "fsdp2_cpu_offload", *ZOFF_VARIANTS, "zoff_no_offload")
 
