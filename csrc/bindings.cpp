@@ -54,20 +54,43 @@ std::pair<void*, DType> out_buffer(const std::optional<at::Tensor>& out, int64_t
   return {out->data_ptr(), st == at::kBFloat16 ? DType::kBF16 : DType::kF16};
 }
 
-// Where the updated state goes: `into` (param, exp_avg[, exp_avg_sq]) or, when absent, the inputs themselves.
-std::vector<float*> state_out(const std::optional<std::vector<at::Tensor>>& into, const std::vector<at::Tensor>& state,
-                              int64_t numel) {
+// The optimizer moments' dtype: fp32, or bf16 (the kernels compute in fp32 and store rounded to nearest even).
+DType moment_dtype(const at::Tensor& t, const char* name, int64_t numel) {
+  const auto st = t.scalar_type();
+  TORCH_CHECK_VALUE(st == at::kFloat || st == at::kBFloat16, name,
+                    " (an optimizer moment) must be float32 or bfloat16, got ", st);
+  check_layout(t, name, numel);
+  return st == at::kFloat ? DType::kF32 : DType::kBF16;
+}
+
+// fp32 param and the moments in one dtype, all of `numel` elements; returns the moments' dtype.
+DType check_state(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor* exp_avg_sq, int64_t numel) {
+  check_f32(param, "param", numel);
+  const DType dtype = moment_dtype(exp_avg, "exp_avg", numel);
+  if (exp_avg_sq != nullptr) {
+    TORCH_CHECK_VALUE(moment_dtype(*exp_avg_sq, "exp_avg_sq", numel) == dtype, "exp_avg_sq must have exp_avg's dtype (",
+                      exp_avg.scalar_type(), "), got ", exp_avg_sq->scalar_type());
+  }
+  return dtype;
+}
+
+// Where the updated state goes: `into` (param, exp_avg[, exp_avg_sq]), each in the dtype of the tensor it replaces,
+// or, when absent, the inputs themselves.
+std::vector<void*> state_out(const std::optional<std::vector<at::Tensor>>& into, const std::vector<at::Tensor>& state,
+                             int64_t numel) {
+  std::vector<void*> out;
   if (!into.has_value()) {
-    std::vector<float*> same;
-    for (const auto& t : state) same.push_back(t.data_ptr<float>());
-    return same;
+    for (const auto& t : state) out.push_back(t.data_ptr());
+    return out;
   }
   TORCH_CHECK_VALUE(into->size() == state.size(), "into must hold ", state.size(), " tensors (the updated state), got ",
                     into->size());
-  std::vector<float*> out;
   for (size_t i = 0; i < state.size(); ++i) {
-    check_f32((*into)[i], "into", numel);
-    out.push_back((*into)[i].data_ptr<float>());
+    const at::Tensor& target = (*into)[i];
+    TORCH_CHECK_VALUE(target.scalar_type() == state[i].scalar_type(), "into[", i, "] must be ", state[i].scalar_type(),
+                      " like the state it replaces, got ", target.scalar_type());
+    check_layout(target, "into", numel);
+    out.push_back(target.data_ptr());
   }
   return out;
 }
@@ -83,9 +106,7 @@ void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
                double grad_scale, const std::optional<std::vector<at::Tensor>>& into, bool stream,
                const std::string& isa, int64_t threads) {
   const int64_t n = param.numel();
-  check_f32(param, "param", n);
-  check_f32(exp_avg, "exp_avg", n);
-  check_f32(exp_avg_sq, "exp_avg_sq", n);
+  const DType mdtype = check_state(param, exp_avg, &exp_avg_sq, n);
   const auto dst = state_out(into, {param, exp_avg, exp_avg_sq}, n);
   const DType gdtype = float_dtype(grad, n);
   const auto [out_ptr, out_dtype] = out_buffer(out, n);
@@ -93,11 +114,12 @@ void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
   const IsaKernels& kernels = kernels_for(isa);
   const int team = threads_for(n, checked_threads(threads));
   const AdamTask task{param.data_ptr<float>(),
-                      exp_avg.data_ptr<float>(),
-                      exp_avg_sq.data_ptr<float>(),
-                      dst[0],
+                      exp_avg.data_ptr(),
+                      exp_avg_sq.data_ptr(),
+                      static_cast<float*>(dst[0]),
                       dst[1],
                       dst[2],
+                      mdtype,
                       grad.data_ptr(),
                       gdtype,
                       out_ptr,
@@ -113,17 +135,17 @@ void lion_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
                double grad_scale, bool maximize, const std::optional<std::vector<at::Tensor>>& into, bool stream,
                const std::string& isa, int64_t threads) {
   const int64_t n = param.numel();
-  check_f32(param, "param", n);
-  check_f32(exp_avg, "exp_avg", n);
+  const DType mdtype = check_state(param, exp_avg, nullptr, n);
   const auto dst = state_out(into, {param, exp_avg}, n);
   const DType gdtype = float_dtype(grad, n);
   const auto [out_ptr, out_dtype] = out_buffer(out, n);
   const IsaKernels& kernels = kernels_for(isa);
   const int team = threads_for(n, checked_threads(threads));
   const LionTask task{param.data_ptr<float>(),
-                      exp_avg.data_ptr<float>(),
-                      dst[0],
+                      exp_avg.data_ptr(),
+                      static_cast<float*>(dst[0]),
                       dst[1],
+                      mdtype,
                       grad.data_ptr(),
                       gdtype,
                       out_ptr,

@@ -6,12 +6,20 @@
 // for ownership first, which saves a read of every byte written). Streaming needs aligned whole vectors, so
 // only the Simd loop streams, from an aligned start.
 enum class Stores { kCached, kStreamOut, kStreamAll };  // kStreamOut: the 16-bit copy; kStreamAll: new state too
+                                                       // (the moments as kStreamMoments allows)
 
 template <class V, bool kNonTemporal, class T>
 inline void put(T* p, typename V::F x) {
   if constexpr (kNonTemporal) V::stream(p, x);
   else V::store(p, x);
 }
+
+// Whether the new moments stream along with the new state: only where one vector of them is 32 bytes or more. On the
+// 2-core AMD EPYC test VM (AVX2), streaming bf16 moments (16-byte vectors) made the update into other arrays 5-7x
+// slower than cached stores; fp32 ones (32 bytes) cost 1.5-2x there, and gained 1.55x on the GPU machine's Xeon
+// (AVX-512, 64 bytes). bf16 moments with AVX-512 (32 bytes) stream: not measured yet (scripts/bench_kernels.py).
+template <class V, class M>
+constexpr bool kStreamMoments = V::kWidth * sizeof(M) >= 32;
 
 template <class V>
 inline void fence() {
@@ -34,34 +42,36 @@ struct AdamVec {  // AdamConsts broadcast to V's lanes
         neg_step_size(V::set1(k.neg_step_size)) {}
 };
 
-// Out is void when there is no 16-bit copy to write.
-template <class V, class G, class Out, Stores kStores = Stores::kCached>
+// G: the gradient's element type; M: the moments' (float or Bf16: loaded into fp32, stored rounded to nearest
+// even); Out: the 16-bit copy's, void when there is none to write.
+template <class V, class G, class M, class Out, Stores kStores = Stores::kCached>
 inline void adam_at(const AdamTask& t, const AdamVec<V>& c, int64_t i) {
   constexpr bool kStreamState = kStores == Stores::kStreamAll, kStreamOut = kStores != Stores::kCached;
+  constexpr bool kStreamM = kStreamState && kStreamMoments<V, M>;
   using F = typename V::F;
   const AdamConsts& k = t.k;
   F g = V::load(static_cast<const G*>(t.grad) + i) * c.grad_scale;
   F p = V::load(t.param + i);
   if (k.l2) g = g + c.weight_decay * p;
   if (k.decoupled_decay) p = p * c.decay;
-  F m = V::load(t.exp_avg + i);
+  F m = V::load(static_cast<const M*>(t.exp_avg) + i);
   const F d = g - m;
   m = k.lerp_from_m ? m + c.lerp_w * d : g - c.lerp_w_comp * d;
-  F v = V::load(t.exp_avg_sq + i);
+  F v = V::load(static_cast<const M*>(t.exp_avg_sq) + i);
   v = c.beta2 * v + c.one_minus_beta2 * g * g;
   const F denom = V::sqrt(v) / c.bc2_sqrt + c.eps;
   p = p + c.neg_step_size * m / denom;
-  put<V, kStreamState>(t.exp_avg_out + i, m);
-  put<V, kStreamState>(t.exp_avg_sq_out + i, v);
+  put<V, kStreamM>(static_cast<M*>(t.exp_avg_out) + i, m);
+  put<V, kStreamM>(static_cast<M*>(t.exp_avg_sq_out) + i, v);
   put<V, kStreamState>(t.param_out + i, p);
   if constexpr (!std::is_void_v<Out>) put<V, kStreamOut>(static_cast<Out*>(t.out) + i, p);
 }
 
 // Which stores can stream from element i: the 16-bit copy when it is aligned there, the new state when it goes to
 // other arrays than the old (an update in place reads its lines anyway) and they are aligned there too.
-template <class Out>
-Stores stores_from(bool allowed, const void* out, std::initializer_list<const float*> state_out, bool in_place,
-                   int64_t i) {
+template <class M, class Out>
+Stores stores_from(bool allowed, const void* out, const float* param_out, std::initializer_list<void*> moments_out,
+                   bool in_place, int64_t i) {
   if constexpr (!Simd::kHasStream) {
     return Stores::kCached;
   } else {
@@ -70,27 +80,30 @@ Stores stores_from(bool allowed, const void* out, std::initializer_list<const fl
       if (!aligned_for_stream<Simd>(static_cast<const Out*>(out) + i, sizeof(Out))) return Stores::kCached;
     }
     if (in_place) return Stores::kStreamOut;
-    for (const float* p : state_out) {
-      if (!aligned_for_stream<Simd>(p + i, sizeof(float))) return Stores::kStreamOut;
+    if (!aligned_for_stream<Simd>(param_out + i, sizeof(float))) return Stores::kStreamOut;
+    for (const void* m : moments_out) {
+      if (kStreamMoments<Simd, M> && !aligned_for_stream<Simd>(static_cast<const M*>(m) + i, sizeof(M))) {
+        return Stores::kStreamOut;
+      }
     }
     return Stores::kStreamAll;
   }
 }
 
-// Runs at(i) on single elements until the first array written is aligned, on whole vectors with the stores that
-// alignment allows, then on the tail. Every element gets the same formula whichever loop runs it.
-template <class Out, class Task, class One, class Vec>
-void sweep(const Task& t, float* first_out, std::initializer_list<const float*> state_out, bool in_place,
-           int64_t begin, int64_t end, const One& one, const Vec& vec) {
+// Runs at(i) on single elements until the param written is aligned, on whole vectors with the stores that alignment
+// allows, then on the tail. Every element gets the same formula whichever loop runs it.
+template <class M, class Out, class Task, class One, class Vec>
+void sweep(const Task& t, std::initializer_list<void*> moments_out, int64_t begin, int64_t end, const One& one,
+           const Vec& vec) {
   int64_t i = begin;
   if constexpr (Simd::kHasStream) {
-    while (i < end && !aligned_for_stream<Simd>(first_out + i, sizeof(float))) one(i++);
+    while (i < end && !aligned_for_stream<Simd>(t.param_out + i, sizeof(float))) one(i++);
   }
   const auto run = [&](auto mode) {
     for (; i + Simd::kWidth <= end; i += Simd::kWidth) vec(i, mode);
   };
   if constexpr (Simd::kHasStream) {
-    const Stores stores = stores_from<Out>(t.stream, t.out, state_out, in_place, i);
+    const Stores stores = stores_from<M, Out>(t.stream, t.out, t.param_out, moments_out, t.param_out == t.param, i);
     switch (stores) {
       case Stores::kCached: run(std::integral_constant<Stores, Stores::kCached>{}); break;
       case Stores::kStreamOut: run(std::integral_constant<Stores, Stores::kStreamOut>{}); break;
@@ -103,14 +116,13 @@ void sweep(const Task& t, float* first_out, std::initializer_list<const float*> 
   for (; i < end; ++i) one(i);
 }
 
-template <class G, class Out>
+template <class G, class M, class Out>
 void adam_typed(const AdamTask& t, int64_t begin, int64_t end) {
   const AdamVec<Simd> vec(t.k);
   const AdamVec<Scalar> one(t.k);
-  sweep<Out>(
-      t, t.param_out, {t.exp_avg_out, t.exp_avg_sq_out}, t.param_out == t.param, begin, end,
-      [&](int64_t i) { adam_at<Scalar, G, Out>(t, one, i); },
-      [&](int64_t i, auto mode) { adam_at<Simd, G, Out, decltype(mode)::value>(t, vec, i); });
+  sweep<M, Out>(
+      t, {t.exp_avg_out, t.exp_avg_sq_out}, begin, end, [&](int64_t i) { adam_at<Scalar, G, M, Out>(t, one, i); },
+      [&](int64_t i, auto mode) { adam_at<Simd, G, M, Out, decltype(mode)::value>(t, vec, i); });
 }
 
 template <class V>
@@ -123,30 +135,30 @@ struct LionVec {
         lr(V::set1(k.lr)) {}
 };
 
-template <class V, class G, class Out, Stores kStores = Stores::kCached>
+template <class V, class G, class M, class Out, Stores kStores = Stores::kCached>
 inline void lion_at(const LionTask& t, const LionVec<V>& c, int64_t i) {
   constexpr bool kStreamState = kStores == Stores::kStreamAll, kStreamOut = kStores != Stores::kCached;
+  constexpr bool kStreamM = kStreamState && kStreamMoments<V, M>;
   using F = typename V::F;
   const F g = V::load(static_cast<const G*>(t.grad) + i) * c.grad_scale;
-  F m = V::load(t.exp_avg + i);
+  F m = V::load(static_cast<const M*>(t.exp_avg) + i);
   const F direction = c.beta1 * m + c.one_minus_beta1 * g;
   F p = V::load(t.param + i);
   if (t.k.decoupled_decay) p = p * c.decay;
   p = p - c.lr * V::sign(direction);
   m = c.beta2 * m + c.one_minus_beta2 * g;
-  put<V, kStreamState>(t.exp_avg_out + i, m);
+  put<V, kStreamM>(static_cast<M*>(t.exp_avg_out) + i, m);
   put<V, kStreamState>(t.param_out + i, p);
   if constexpr (!std::is_void_v<Out>) put<V, kStreamOut>(static_cast<Out*>(t.out) + i, p);
 }
 
-template <class G, class Out>
+template <class G, class M, class Out>
 void lion_typed(const LionTask& t, int64_t begin, int64_t end) {
   const LionVec<Simd> vec(t.k);
   const LionVec<Scalar> one(t.k);
-  sweep<Out>(
-      t, t.param_out, {t.exp_avg_out}, t.param_out == t.param, begin, end,
-      [&](int64_t i) { lion_at<Scalar, G, Out>(t, one, i); },
-      [&](int64_t i, auto mode) { lion_at<Simd, G, Out, decltype(mode)::value>(t, vec, i); });
+  sweep<M, Out>(
+      t, {t.exp_avg_out}, begin, end, [&](int64_t i) { lion_at<Scalar, G, M, Out>(t, one, i); },
+      [&](int64_t i, auto mode) { lion_at<Simd, G, M, Out, decltype(mode)::value>(t, vec, i); });
 }
 
 template <class G>
@@ -224,30 +236,35 @@ struct Tag {
   using type = T;
 };
 
-// Calls fn(Tag<grad type>, Tag<out type or void>): the element types are chosen once per call, not per element.
+// Calls fn(Tag<grad type>, Tag<moment type>, Tag<out type or void>): the element types are chosen once per call,
+// not per element.
 template <class Task, class Fn>
 void with_types(const Task& t, const Fn& fn) {
-  const auto with_grad = [&](auto grad) {
-    if (!t.out) return fn(grad, Tag<void>{});
-    if (t.out_dtype == DType::kBF16) return fn(grad, Tag<Bf16>{});
-    return fn(grad, Tag<Half>{});
+  const auto with_out = [&](auto grad, auto moment) {
+    if (!t.out) return fn(grad, moment, Tag<void>{});
+    if (t.out_dtype == DType::kBF16) return fn(grad, moment, Tag<Bf16>{});
+    return fn(grad, moment, Tag<Half>{});
+  };
+  const auto with_moment = [&](auto grad) {
+    if (t.moment_dtype == DType::kBF16) return with_out(grad, Tag<Bf16>{});
+    return with_out(grad, Tag<float>{});
   };
   switch (t.grad_dtype) {
-    case DType::kF32: return with_grad(Tag<float>{});
-    case DType::kBF16: return with_grad(Tag<Bf16>{});
-    case DType::kF16: return with_grad(Tag<Half>{});
+    case DType::kF32: return with_moment(Tag<float>{});
+    case DType::kBF16: return with_moment(Tag<Bf16>{});
+    case DType::kF16: return with_moment(Tag<Half>{});
   }
 }
 
 void adam(const AdamTask& t, int64_t begin, int64_t end) {
-  with_types(t, [&](auto g, auto o) {
-    adam_typed<typename decltype(g)::type, typename decltype(o)::type>(t, begin, end);
+  with_types(t, [&](auto g, auto m, auto o) {
+    adam_typed<typename decltype(g)::type, typename decltype(m)::type, typename decltype(o)::type>(t, begin, end);
   });
 }
 
 void lion(const LionTask& t, int64_t begin, int64_t end) {
-  with_types(t, [&](auto g, auto o) {
-    lion_typed<typename decltype(g)::type, typename decltype(o)::type>(t, begin, end);
+  with_types(t, [&](auto g, auto m, auto o) {
+    lion_typed<typename decltype(g)::type, typename decltype(m)::type, typename decltype(o)::type>(t, begin, end);
   });
 }
 

@@ -42,13 +42,16 @@ struct AdamConsts {
 
 // The state is read from param/exp_avg/exp_avg_sq and the updated state written to the *_out pointers: the same
 // arrays for an update in place, others to keep the old state intact (the engine's speculative updates).
+// The moments are fp32 or bf16 (`moment_dtype`, both alike); bf16 ones are computed on in fp32 and stored rounded to
+// nearest even. The param (the master) is always fp32.
 struct AdamTask {
   const float* param;
-  const float* exp_avg;
-  const float* exp_avg_sq;
+  const void* exp_avg;
+  const void* exp_avg_sq;
   float* param_out;
-  float* exp_avg_out;
-  float* exp_avg_sq_out;
+  void* exp_avg_out;
+  void* exp_avg_sq_out;
+  DType moment_dtype;
   const void* grad;
   DType grad_dtype;
   void* out;  // nullptr: no 16-bit copy of the updated param
@@ -70,9 +73,10 @@ struct LionConsts {
 
 struct LionTask {
   const float* param;
-  const float* exp_avg;
+  const void* exp_avg;  // moment_dtype, as in AdamTask
   float* param_out;
-  float* exp_avg_out;
+  void* exp_avg_out;
+  DType moment_dtype;
   const void* grad;
   DType grad_dtype;
   void* out;

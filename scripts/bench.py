@@ -42,7 +42,8 @@ MODELS = {
     "qwen3_4b": dict(hf="qwen3_4b", block_size=512),  # Qwen3-4B's shape, 4.02B, tied embeddings
     "qwen3_tiny": dict(hf="qwen3_tiny", block_size=64),  # CPU smoke test
 }
-# zoff variants: the synchronous engine, and where the sum of an accumulation window lives (issue 4's question)
+# zoff variants: the synchronous engine, where the sum of an accumulation window lives (issue 4's question), bf16
+# moments (issue 10)
 ZOFF_VARIANTS = {
     "zoff": {},
     "zoff_sync": dict(overlap=False),
@@ -50,6 +51,8 @@ ZOFF_VARIANTS = {
     "zoff_accum_host": dict(grad_accum_on="host"),
     "zoff_accum_gpu": dict(grad_accum_on="accelerator"),
     "zoff_accum_gpu_retained": dict(grad_accum_on="accelerator", retain_gpu_grad_partition_until_step=True),
+    "zoff_bf16_moments": dict(optimizer_state_dtype="bf16"),  # 20 B/param of host traffic instead of 28
+    "zoff_sync_bf16_moments": dict(overlap=False, optimizer_state_dtype="bf16"),  # the 7B-on-128-GB configuration
 }
 RUNS = ("gpu_only", "deepspeed_zero3_offload", "fsdp2_cpu_offload", *ZOFF_VARIANTS, "zoff_no_offload")
 

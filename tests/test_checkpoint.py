@@ -17,9 +17,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.multiprocessing import ProcessRaisedException
 
 from lightning_zoff import ZoffPrecision, ZoffStrategy
+from lightning_zoff.checkpoint import full_optimizer_state
 from lightning_zoff.checkpoint_files import CheckpointError, recover
 from lightning_zoff.consolidate import consolidate
 from resume_run import SaveBatch, resume_fit
@@ -39,13 +41,61 @@ def run(tmp_path_factory):
     return out, resume_fit(out / "run", callbacks=[every6, latest, SaveBatch(6, out)])
 
 
-def test_resume_on_two_ranks_is_bit_exact(run, tmp_path):
-    out, full = run
-    resumed = resume_fit(tmp_path, ckpt_path=out / "ck" / STEP6)
+@pytest.fixture(scope="module")
+def run_bf16(tmp_path_factory):
+    """The same 12 steps with bf16 moments, checkpointing every 6 steps."""
+    out = tmp_path_factory.mktemp("uninterrupted_bf16")
+    every6 = ModelCheckpoint(dirpath=out / "ck", save_top_k=-1, every_n_train_steps=6)
+    return out, resume_fit(out / "run", optimizer_state_dtype="bf16", callbacks=[every6])
+
+
+RUN_OF = {"fp32": "run", "bf16": "run_bf16"}  # the uninterrupted run (fixture) by optimizer_state_dtype
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@pytest.mark.parametrize("moments", ["fp32", "bf16"])
+def test_resume_on_two_ranks_is_bit_exact(request, tmp_path, moments):
+    out, full = request.getfixturevalue(RUN_OF[moments])
+    resumed = resume_fit(tmp_path, ckpt_path=out / "ck" / STEP6, optimizer_state_dtype=moments)
     for rank in (0, 1):
         assert len(full[rank]["losses"]) == 12 and len(resumed[rank]["losses"]) == 6
         assert resumed[rank]["losses"] == full[rank]["losses"][6:]
         assert resumed[rank]["lr"] == full[rank]["lr"]  # StepLR's position and the groups' lr came back
+
+
+class MomentsAtStart(pl.Callback):
+    """Rank 0 writes the whole moments the run starts from (restored from the checkpoint) to `out/moments.pt`."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_start(self, trainer, pl_module):
+        trainer.strategy.engine.wait_idle()
+        state = full_optimizer_state(pl_module, trainer.strategy.engine, trainer.optimizers[0])["state"]  # collective
+        if trainer.is_global_zero:
+            torch.save(state, self.out / "moments.pt")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp_to_torch_save reads in this process
+@pytest.mark.parametrize("saved, loaded", [("fp32", "bf16"), ("bf16", "fp32")])
+def test_moments_load_into_a_run_of_the_other_dtype(request, tmp_path, saved, loaded):
+    out, full = request.getfixturevalue(RUN_OF[saved])
+    ckpt = out / "ck" / STEP6
+    resumed = resume_fit(tmp_path / "run", ckpt_path=ckpt, optimizer_state_dtype=loaded, max_steps=8,
+                         callbacks=[MomentsAtStart(tmp_path)])
+    dcp_to_torch_save(ckpt, tmp_path / "saved.pt")
+    written = torch.load(tmp_path / "saved.pt", weights_only=True)["optimizer_0"]
+    restored = torch.load(tmp_path / "moments.pt", weights_only=True)
+    assert restored.keys() == written.keys()
+    for name, moments in written.items():
+        assert int(restored[name]["step"]) == int(moments["step"]) == 6
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert moments[key].dtype == DTYPES[saved]  # saved in the run's own dtype
+            # converted: rounded to the nearest bf16, or exactly to fp32
+            assert torch.equal(restored[name][key], moments[key].to(DTYPES[loaded])), (name, key)
+    for rank in (0, 1):  # same weights, so the same first loss; then the moments' precision differs a little
+        assert resumed[rank]["losses"][0] == full[rank]["losses"][6]
+        assert resumed[rank]["losses"] == pytest.approx(full[rank]["losses"][6:8], rel=1e-4)
 
 
 def test_resume_on_one_rank_reshards(run, tmp_path):

@@ -150,6 +150,7 @@ def test_unknown_option_lists_the_options():
     ("strategy.pin_memory=1", r"ZoffStrategy\(pin_memory=1\): expected true or false"),
     ("strategy.cpu_threads=two", r"ZoffStrategy\(cpu_threads='two'\): expected a positive integer, or None"),
     ("strategy.grad_accum_on=gpu", r"grad_accum_on='gpu'; choose 'host' or 'accelerator'"),
+    ("strategy.optimizer_state_dtype=fp16", r"optimizer_state_dtype='fp16'; choose 'fp32' or 'bf16'"),
     ("strategy.start_method=thread", r"start_method='thread'; choose 'subprocess', 'fork', 'spawn' or 'forkserver'"),
 ])
 def test_strategy_option_of_the_wrong_kind(override, message):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -95,11 +97,45 @@ def test_host_bytes_per_element_by_design():
     assert host_bytes_per_element(param_bytes=2, second_moment=True, overlap=False, accum_bytes=4) == 20
     assert host_bytes_per_element(param_bytes=2, second_moment=False, overlap=False, accum_bytes=2) == 14  # Lion
     assert host_bytes_per_element(param_bytes=4, second_moment=True, overlap=False, accum_bytes=4) == 20  # 32-true
+    # bf16 moments (2 B each), and no window sum when every window is one micro-batch
+    assert host_bytes_per_element(param_bytes=2, second_moment=True, overlap=True, accum_bytes=4, moment_bytes=2) == 24
+    assert host_bytes_per_element(param_bytes=2, second_moment=True, overlap=True, accum_bytes=0, moment_bytes=2) == 20
+    assert host_bytes_per_element(param_bytes=2, second_moment=True, overlap=False, accum_bytes=0, moment_bytes=2) == 12
+    assert host_bytes_per_element(param_bytes=2, second_moment=False, overlap=False, accum_bytes=0, moment_bytes=2) == 10
+
+
+def test_a_7b_model_on_128_gb_is_told_what_fits(monkeypatch):
+    from lightning_zoff.offload.budget import check_host_budget
+
+    monkeypatch.setenv("ZOFF_HOST_MEMORY_BYTES", str(128 * 10**9))
+    with pytest.raises(MemoryError, match=(
+        r"needs 224\.0 GB .* 7,000,000,000 elements x 32 B\) but the machine has 128\.0 GB\. Options: overlap=False"
+        r" \(140\.0 GB\); optimizer_state_dtype='bf16' \(168\.0 GB\); grad_accum_dtype='bf16' or 'fp16' \(210\.0 GB\);"
+        r" all of these \(98\.0 GB\); more nodes")):
+        check_host_budget(7 * 10**9, 1, param_bytes=2, second_moment=True, overlap=True, accum_bytes=4, moment_bytes=4)
+    check_host_budget(7 * 10**9, 1, param_bytes=2, second_moment=True, overlap=False, accum_bytes=4, moment_bytes=2)
+
+
+def test_bf16_moments_with_a_beta_that_cannot_decay_warn():
+    from lightning_zoff.offload.engine import _warn_if_bf16_moments_cannot_decay
+    from lightning_zoff.optim import UpdateRule
+
+    # why: a decay by 0.1% is less than half a bf16 ulp, so rounding to nearest gives the old value back
+    v = torch.tensor([1.0, 3.0, 1e-8, 0.7]).to(torch.bfloat16)
+    assert torch.equal((v.float() * 0.999).to(torch.bfloat16), v)
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    with pytest.warns(UserWarning, match=r"beta2=0\.999 \(exp_avg_sq\): a step decays such a moment by less than"):
+        _warn_if_bf16_moments_cannot_decay(UpdateRule.ADAMW, torch.optim.AdamW(params))  # torch's default betas
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _warn_if_bf16_moments_cannot_decay(UpdateRule.ADAMW, torch.optim.AdamW(params, betas=(0.9, 0.95)))
+        _warn_if_bf16_moments_cannot_decay(UpdateRule.LION, torch.optim.AdamW(params, betas=(0.999, 0.99)))
 
 
 def test_model_larger_than_host_memory_stops_before_training(monkeypatch):
     monkeypatch.setenv("ZOFF_HOST_MEMORY_BYTES", str(100_000))  # the forked rank inherits it
-    with fails(MemoryError, r"needs 0\.\d GB of host memory .* machine has 0\.0 GB\. Options: overlap=False .*more nodes"):
+    with fails(MemoryError, r"needs 0\.\d GB of host memory .* machine has 0\.0 GB\. Options: overlap=False .*"
+                            r"optimizer_state_dtype='bf16' \(0\.\d GB\).*more nodes"):
         run(NoStep())
 
 

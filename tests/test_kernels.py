@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import zlib
 
@@ -27,6 +28,7 @@ ADAM_CASES = {
     "adam_low_beta1": dict(decoupled=False, lr=1e-3, beta1=0.3, beta2=0.999, eps=1e-8, weight_decay=0.0, maximize=False),
 }
 LION = dict(lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.1)
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _gen(*seed: object) -> torch.Generator:
@@ -73,8 +75,9 @@ def _torch_adam(p: torch.Tensor, case: dict) -> torch.optim.Optimizer:
 def _assert_bits_equal(out: torch.Tensor, expected: torch.Tensor) -> None:
     """Bit for bit where `expected` is a number; NaN where it is NaN (bf16 NaN is 0x7FC0, as c10::BFloat16)."""
     nan = expected.isnan()
-    assert torch.equal(out.isnan(), nan)
-    assert torch.equal(out.view(torch.int16)[~nan], expected.view(torch.int16)[~nan])
+    bits = torch.int16 if out.element_size() == 2 else torch.int32
+    assert out.dtype == expected.dtype and torch.equal(out.isnan(), nan)
+    assert torch.equal(out.view(bits)[~nan], expected.view(bits)[~nan])
     if out.dtype == torch.bfloat16:
         assert bool((out.view(torch.int16)[nan] == 0x7FC0).all())
 
@@ -195,6 +198,136 @@ def test_lion_matches_its_definition_in_torch_ops(isa, grad_dtype, scale, n, max
     assert exact_zero_directions > 0
 
 
+# bf16 moments: loaded into fp32, updated with the fp32 math, stored rounded to nearest even. The references are
+# torch ops on fp32 tensors in the kernel's order (each op rounds once, as the kernel's do; no fusion), with m and v
+# rounded by torch's own `.to(torch.bfloat16)` after every step, and float64 for each single step.
+
+
+def _f32(x: float) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float32)  # a Python float rounded to fp32 once, as step_consts.h does
+
+
+def _adam_f32_ops(p, m, v, grad, scale, step, *, lr, beta1, beta2, eps, weight_decay, decoupled, maximize):
+    """One Adam/AdamW step in fp32, op by op: the new (p, m, v) in fp32, p computed with the unrounded m and v."""
+    g = grad.float() * _f32(-scale if maximize else scale)
+    if not decoupled and weight_decay:
+        g = g + _f32(weight_decay) * p
+    if decoupled and weight_decay:
+        p = p * _f32(1 - lr * weight_decay)
+    m, v, w = m.float(), v.float(), _f32(1 - beta1)
+    d = g - m
+    m = m + w * d if w < 0.5 else g - (_f32(1.0) - w) * d  # torch's lerp, from whichever end is nearer
+    v = _f32(beta2) * v + _f32(1 - beta2) * g * g
+    # the correctly rounded fp32 sqrt, as the kernels' (torch's own CPU sqrt can be 1 ulp off); rounding the float64
+    # root to fp32 gives it exactly (53 >= 2 x 24 + 2 bits)
+    sqrt_v = v.double().sqrt().float()
+    denom = sqrt_v / _f32(math.sqrt(1 - beta2**step)) + _f32(eps)
+    return p + _f32(-lr / (1 - beta1**step)) * m / denom, m, v
+
+
+def _lion_f32_ops(p, m, grad, scale, *, lr, beta1, beta2, weight_decay, maximize=False):
+    g = grad.float() * _f32(-scale if maximize else scale)
+    m = m.float()
+    direction = _f32(beta1) * m + _f32(1 - beta1) * g
+    if weight_decay:
+        p = p * _f32(1 - lr * weight_decay)
+    return p - _f32(lr) * torch.sign(direction), _f32(beta2) * m + _f32(1 - beta2) * g
+
+
+def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 numbers at |x| (float64; for normal numbers)."""
+    _, exponent = torch.frexp(x)
+    return torch.ldexp(torch.ones_like(x), exponent - 8)
+
+
+def _assert_within_one_bf16_ulp(ours: torch.Tensor, exact: torch.Tensor, terms: torch.Tensor) -> None:
+    """|ours - exact| <= one bf16 ulp, plus the few fp32 roundings of the terms summed (`terms`: their magnitude),
+    which is all there is left where they cancel."""
+    bad = (ours.double() - exact).abs() > _bf16_ulp(exact) + 2**-21 * terms
+    assert not bool(bad.any()), (ours[bad], exact[bad])
+
+
+BF16_RULES = [*ADAM_CASES, "lion"]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rule", BF16_RULES)
+@pytest.mark.parametrize("n", [15, 4099])
+@pytest.mark.parametrize("where", ["in_place", "into", "into_streamed"])
+def test_bf16_moments_are_the_fp32_step_rounded_to_bf16(isa, rule, n, where):
+    for grad_dtype, scale in (g.values for g in GRADS):
+        _run_bf16_moments_against_references(isa, rule, grad_dtype, scale, n, where)
+
+
+def _run_bf16_moments_against_references(isa, rule, grad_dtype, scale, n, where):
+    gen = _gen("bf16-moments", rule, n, str(grad_dtype))
+    lion = rule == "lion"
+    case = LION if lion else ADAM_CASES[rule]
+    p = torch.randn(n, generator=gen)
+    m = torch.zeros(n, dtype=torch.bfloat16)
+    v = None if lion else torch.zeros(n, dtype=torch.bfloat16)
+    ref = [p.clone(), m.clone()] + ([] if lion else [v.clone()])
+    out_dtype = OUT_FOR_GRAD[grad_dtype]
+    out = None if out_dtype is None else torch.empty(n, dtype=out_dtype)
+    for step in range(1, 11):
+        grad = _grad(n, grad_dtype, scale, gen)
+        state = [p, m] + ([] if lion else [v])
+        into = None
+        if where != "in_place":  # 3 elements past an aligned start: the kernel peels until it can stream
+            into = tuple(torch.full((n + 3,), math.nan, dtype=t.dtype)[3:] for t in state)
+        before = [t.clone() for t in state]
+        kwargs = dict(grad_scale=scale, out=out, into=into, stream=where == "into_streamed", isa=isa, threads=THREADS)
+        if lion:
+            ops.lion_step(p, grad, m, **LION, **kwargs)
+            new = _lion_f32_ops(ref[0], ref[1], grad, scale, **LION)
+            exact_m = (LION["beta2"] * before[1].double() + (1 - LION["beta2"]) * grad.double() * scale,)
+            terms = (before[1].double().abs() + grad.double().abs() * scale,)
+        else:
+            ops.adam_step(p, grad, m, v, **_adam_kwargs(case), step=step, **kwargs)
+            new = _adam_f32_ops(*ref, grad, scale, step, **_adam_kwargs(case))
+            exact = [t.double() for t in before]
+            _adam_f64(*exact, grad.double() * scale, step, **_adam_kwargs(case))
+            exact_m = exact[1:]
+            g = grad.double() * scale
+            terms = (before[1].double().abs() + g.abs() + case["weight_decay"] * before[0].double().abs(),
+                     before[2].double() + g * g)
+        if into is not None:
+            assert all(torch.equal(a, b) for a, b in zip(before, state))  # the inputs are untouched
+            p, m, v = into[0], into[1], None if lion else into[2]
+            state = list(into)
+        ref = [new[0]] + [t.to(torch.bfloat16) for t in new[1:]]
+        for ours, theirs in zip(state, ref):
+            _assert_bits_equal(ours, theirs)  # the master too: the same fp32 math on the same bf16 moments
+        for ours, theirs, size in zip(state[1:], exact_m, terms, strict=True):  # near the exact value
+            _assert_within_one_bf16_ulp(ours, theirs, size)
+        if not lion:  # the master within fp32 rounding (decay, add) of the float64 step from the same state
+            err = (p.double() - exact[0]).abs()
+            step_size = (exact[0] - before[0].double()).abs()
+            assert bool((err <= 2**-22 * exact[0].abs() + 2**-18 * step_size).all()), err.max()  # 2 fp32 ulps
+        if out is not None:
+            _assert_bits_equal(out, p.to(out_dtype))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_moments_round_ties_to_even_and_keep_nan(isa):
+    # beta2 = 0 (Lion's m, Adam's v) and beta1 = 0 (Adam's m) make the new moment the fp32 gradient (or its square):
+    # ties, NaN, infinities, subnormals and the overflow edge all reach the bf16 store, in the vectors and the tail
+    g = _special_floats(_gen(3))
+    n = g.numel()
+    p, m = torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16)
+    lion = dict(lr=0.0, beta1=0.9, beta2=0.0, weight_decay=0.0)
+    ops.lion_step(p, g, m, **lion, isa=isa, threads=THREADS)
+    _assert_bits_equal(m, _lion_f32_ops(p, torch.zeros(n), g, 1.0, **lion)[1].to(torch.bfloat16))
+    assert int((g.view(torch.int32) & 0xFFFF == 0x8000).sum()) >= 2000  # the ties, rounded to even
+    case = dict(lr=0.0, beta1=0.0, beta2=0.0, eps=1e-8, weight_decay=0.0, decoupled=True, maximize=False)
+    m, v = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+    ops.adam_step(p, g, m, v, **case, step=1, isa=isa, threads=THREADS)
+    _, ref_m, ref_v = _adam_f32_ops(p, torch.zeros(n), torch.zeros(n), g, 1.0, 1, **case)
+    _assert_bits_equal(m, ref_m.to(torch.bfloat16))
+    _assert_bits_equal(v, ref_v.to(torch.bfloat16))
+    assert bool(m.isnan().any()) and bool(m.isinf().any())
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize(("grad_dtype", "scale"), [*GRADS, pytest.param(torch.float32, 0.3, id="fp32-scaled")])
 @pytest.mark.parametrize("n", [*SIZES, 1_000_003])
@@ -230,17 +363,18 @@ def _sweep_all_types(isa: str, threads: int) -> list[torch.Tensor]:
     results = []
     n = 10_007
     for grad_dtype, scale in (g.values for g in GRADS):
-        for out_dtype in (None, torch.bfloat16, torch.float16):
+        for out_dtype, moment_dtype in itertools.product((None, torch.bfloat16, torch.float16), MOMENT_DTYPES):
             gen = _gen(n, str(grad_dtype), str(out_dtype))
             p, m, v = torch.randn(n, generator=gen), torch.randn(n, generator=gen), torch.rand(n, generator=gen)
+            m, v = m.to(moment_dtype), v.to(moment_dtype)
             grad = _grad(n, grad_dtype, scale, gen)
             grad[::97] = math.nan
             out = None if out_dtype is None else torch.empty(n, dtype=out_dtype)
             ops.adam_step(p, grad, m, v, **_adam_kwargs(ADAM_CASES["adam_l2"]), step=3, grad_scale=scale, out=out,
                           isa=isa, threads=threads)
-            results += [p, m, v] + ([] if out is None else [out.float()])
+            results += [p, m.float(), v.float()] + ([] if out is None else [out.float()])
             ops.lion_step(p, grad, m, **LION, grad_scale=scale, out=out, isa=isa, threads=threads)
-            results += [p, m] + ([] if out is None else [out.float()])
+            results += [p, m.float()] + ([] if out is None else [out.float()])
     return results
 
 
@@ -345,8 +479,17 @@ def test_bad_tensors_raise_instead_of_copying():
         _adam_call(t(dtype=torch.float64), t(), t(), t())
     with pytest.raises(ValueError, match="grad must be float32, bfloat16 or float16"):
         _adam_call(t(), t(dtype=torch.int32), t(), t())
-    with pytest.raises(ValueError, match="exp_avg must be float32"):
+    with pytest.raises(ValueError, match=r"exp_avg \(an optimizer moment\) must be float32 or bfloat16, got Double"):
+        _adam_call(t(), t(), t(dtype=torch.float64), t())
+    with pytest.raises(ValueError, match=r"exp_avg_sq \(an optimizer moment\) must be float32 or bfloat16, got Half"):
+        _adam_call(t(), t(), t(), t(dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"exp_avg_sq must have exp_avg's dtype \(BFloat16\), got Float"):
         _adam_call(t(), t(), t(dtype=torch.bfloat16), t())
+    with pytest.raises(ValueError, match=r"into\[2\] must be BFloat16 like the state it replaces, got Float"):
+        bf16 = t(dtype=torch.bfloat16)
+        _adam_call(t(), t(), bf16, bf16.clone(), into=(t(), bf16.clone(), t()))
+    with pytest.raises(ValueError, match=r"exp_avg \(an optimizer moment\) must be float32 or bfloat16, got Half"):
+        ops.lion_step(t(), t(), t(dtype=torch.float16), lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.0, isa="scalar")
     with pytest.raises(ValueError, match="out must be bfloat16 or float16"):
         _adam_call(t(), t(), t(), t(), out=t())
     with pytest.raises(ValueError, match="grad has 65 elements, param has 64"):

@@ -122,7 +122,8 @@ def test_bad_parameters_are_refused():
 
 
 @pytest.mark.parametrize("rule_name", ["ADAMW", "ADAM", "LION"])
-def test_accelerator_path_agrees_with_the_kernel(rule_name):
+@pytest.mark.parametrize("moment_dtype", [torch.float32, torch.bfloat16])
+def test_accelerator_path_agrees_with_the_kernel(rule_name, moment_dtype):
     # zoff_no_offload updates with torch ops on the accelerator; run that code on CPU tensors against the kernel
     from lightning_zoff.optim.rules import GroupHyperparams, UpdateRule
     from lightning_zoff.optim.update import _cpu_update, _torch_update
@@ -131,10 +132,10 @@ def test_accelerator_path_agrees_with_the_kernel(rule_name):
     hp = GroupHyperparams(lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, maximize=False)
     g = torch.Generator().manual_seed(0)
     state = [torch.randn(4099, generator=g) for _ in range(3)]
+    state[2] = state[2].abs()  # second moments are non-negative
+    state[1:] = [t.to(moment_dtype) for t in state[1:]]
     a = [t.clone() for t in state]
     b = [t.clone() for t in state]
-    b[2] = b[2].abs()
-    a[2] = a[2].abs()  # second moments are non-negative
     out_a, out_b = torch.empty(4099, dtype=torch.bfloat16), torch.empty(4099, dtype=torch.bfloat16)
     for step in range(1, 6):
         grad = torch.randn(4099, generator=g).to(torch.bfloat16)
@@ -144,3 +145,5 @@ def test_accelerator_path_agrees_with_the_kernel(rule_name):
         _torch_update(rule, hp, step, b[0], grad, b[1], second_b, 0.5, out_b)
     torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-6)
     assert (out_a.float() - out_b.float()).abs().max() <= 2 ** -7 * a[0].abs().max()
+    assert a[1].dtype == b[1].dtype == moment_dtype  # the torch path keeps bf16 moments bf16, rounded alike
+    torch.testing.assert_close(a[1].float(), b[1].float(), rtol=2**-7, atol=1e-6)

@@ -15,6 +15,7 @@ from lightning_zoff import ZoffPrecision, ZoffStrategy
 from tiny import TinyModule, token_loader
 
 STEPS, BAD_STEP = 20, 7
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class PoisonOneStep(TinyModule):
@@ -50,13 +51,14 @@ class Record(pl.Callback):
                    self.out / f"rank{trainer.global_rank}.pt")
 
 
-def run(out: Path, *, overlap: bool, await_speculation: bool = False, accumulate: int = 1, where: str = "host"):
+def run(out: Path, *, overlap: bool, await_speculation: bool = False, accumulate: int = 1, where: str = "host",
+        moments: str = "fp32"):
     # norms run about 0.83-1.0 with one micro-batch and 0.74-0.87 with two: clip inside that range
     out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(3)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2,
-        strategy=ZoffStrategy(start_method="fork", overlap=overlap, grad_accum_on=where),
+        strategy=ZoffStrategy(start_method="fork", overlap=overlap, grad_accum_on=where, optimizer_state_dtype=moments),
         plugins=[ZoffPrecision("16-mixed", scale=2.0**10, hysteresis=1)], max_steps=STEPS,
         accumulate_grad_batches=accumulate, gradient_clip_val=0.9 if accumulate == 1 else 0.81, callbacks=[Record(out, await_speculation)],
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -74,21 +76,24 @@ def assert_same_bits(a: dict, b: dict) -> None:
         assert torch.equal(tensor.view(torch.uint8), b["state"][name].view(torch.uint8)), name
 
 
-@pytest.mark.parametrize("accumulate, where", [(1, "host"), (2, "host"), (2, "accelerator")])
-def test_overlap_equals_synchronous_bitwise(tmp_path, accumulate, where):
-    sync = run(tmp_path / "sync", overlap=False, accumulate=accumulate, where=where)
+@pytest.mark.parametrize("accumulate, where, moments", [(1, "host", "fp32"), (2, "host", "fp32"),
+                                                       (2, "accelerator", "fp32"), (2, "host", "bf16")])
+def test_overlap_equals_synchronous_bitwise(tmp_path, accumulate, where, moments):
+    sync = run(tmp_path / "sync", overlap=False, accumulate=accumulate, where=where, moments=moments)
     outcomes = sync[0]["outcomes"]
     assert len(outcomes) == STEPS
     assert [skipped for skipped, *_ in outcomes] == [i == BAD_STEP for i in range(STEPS)]
     clipped = [coef < 1.0 for skipped, coef, _ in outcomes if not skipped]
     assert any(clipped) and not all(clipped)  # clipping active on some steps only: both speculation outcomes
     # every unit speculated before the decision: kept on unclipped steps, redone on clipped ones, dropped on the skip
-    awaited = run(tmp_path / "awaited", overlap=True, await_speculation=True, accumulate=accumulate, where=where)
+    awaited = run(tmp_path / "awaited", overlap=True, await_speculation=True, accumulate=accumulate, where=where,
+                  moments=moments)
     for rank in (0, 1):
         assert_same_bits(awaited[rank], sync[rank])
         units = len(awaited[rank]["steps"]) and awaited[rank]["speculations"]
         assert units["kept"] > 0 and units["redone"] > 0
     assert sync[0]["speculations"] == {"kept": 0, "redone": 0}
+    assert {sync[0]["state"]["0.m"].dtype, awaited[0]["state"]["0.v"].dtype} == {DTYPES[moments]}
     if accumulate == 1:  # and with the worker's natural timing
         natural = run(tmp_path / "natural", overlap=True, accumulate=accumulate, where=where)
         for rank in (0, 1):

@@ -9,10 +9,12 @@
    unless `retain_device_sum`).
 2. Landing (`_land`, on the worker while backward goes on). Wait for the copy; add the shard into the unit's fp32
    host `grad_sum` when the window has more micro-batches (a window of one leaves it in `grad_staging`, which the
-   kernel reads directly: promoting 16 to 32 bits is exact, so both give the same bits). At the window's end, take
+   kernel reads directly: promoting 16 to 32 bits is exact, so both give the same bits; with
+   `accumulate_grad_batches=1` no `grad_sum` is allocated at all). At the window's end, take
    the unit's sum of squares and, with `overlap`, queue a speculative update (`_speculate`): the fused kernel
    runs on the unit as if the step were neither clipped nor skipped, writing the new master and moments into the
    unit's `spare` buffers and the 16-bit copy into `param_staging`. The committed state is never written.
+   The master is fp32; the moments fp32 or bf16 (`moment_dtype`: the kernel computes in fp32 and stores them rounded).
 3. Decision (`step`, after backward). The global norm of the averaged gradient (the units' sums of squares in unit
    order, all-reduced) decides: skip when it is not finite, else one combined scale 1/world x clip factor.
 4. Finalize (`_finalize`, per unit, in the order the next forward needs them). Skip: drop the speculation.
@@ -29,6 +31,7 @@ from __future__ import annotations
 import math
 import sys
 import threading
+import warnings
 from contextlib import nullcontext
 import time
 from dataclasses import dataclass, field
@@ -77,10 +80,12 @@ class HostUnit:
     gaps: list[tuple[int, int]]  # runs of the shard no segment covers (params outside the optimizer)
     updated_slots: list[ParamSlot]  # the slots in some segment: only they change and go back to the accelerator
     master: torch.Tensor  # fp32
-    exp_avg: torch.Tensor  # fp32
-    exp_avg_sq: torch.Tensor | None  # fp32; Lion has no second moment
+    exp_avg: torch.Tensor  # the engine's moment_dtype: fp32 or bf16
+    exp_avg_sq: torch.Tensor | None  # as exp_avg; Lion has no second moment
     spare: tuple[torch.Tensor, ...] | None  # overlap: buffers the next (master, exp_avg[, exp_avg_sq]) goes into
-    grad_sum: torch.Tensor  # sum of this window's micro-batch gradients (a sum over ranks too); fp32 by default
+    # sum of this window's micro-batch gradients (a sum over ranks too); fp32 by default; None until a window of
+    # several micro-batches needs it
+    grad_sum: torch.Tensor | None
     grad_staging: torch.Tensor  # param dtype, pinned: lands the reduced shard
     param_staging: torch.Tensor  # param dtype, pinned: leaves for the accelerator (the master itself in fp32)
     grad_copied: torch.cuda.Event | None = None
@@ -146,12 +151,19 @@ class OffloadEngine:
         pin_memory: bool,
         threads: int | None = None,
         grad_accum_dtype: torch.dtype | None = None,
+        moment_dtype: torch.dtype = torch.float32,
+        accumulate_grad_batches: int = 1,
         accumulate_on_accelerator: bool = False,
         retain_device_sum: bool = False,
         overlap: bool = True,
         ranks_on_node: int = 1,
     ) -> None:
-        self.grad_accum_dtype = grad_accum_dtype  # None: fp32
+        self.grad_sum_dtype = grad_accum_dtype or torch.float32
+        self.moment_dtype = moment_dtype  # of exp_avg and exp_avg_sq; the master is fp32
+        # windows of one micro-batch need no host sum (the kernel reads the staged shard); should the Trainer's
+        # count grow later (GradientAccumulationScheduler), each unit allocates its sum when it first needs it
+        self.sums_windows = accumulate_grad_batches > 1
+        self.pin_memory = pin_memory
         self.accumulate_on_accelerator = accumulate_on_accelerator
         self.retain_device_sum = retain_device_sum
         self.overlap = overlap and state_device.type == "cpu"  # speculation needs the kernels' `into`
@@ -174,8 +186,11 @@ class OffloadEngine:
             check_host_budget(
                 sum(layout.flat_numel for layout, _ in layouts), ranks_on_node,
                 param_bytes=layouts[0][0].slots[0].local.element_size(), second_moment=self.rule is not UpdateRule.LION,
-                overlap=self.overlap, accum_bytes=(grad_accum_dtype or torch.float32).itemsize,
+                overlap=self.overlap, accum_bytes=self.grad_sum_dtype.itemsize if self.sums_windows else 0,
+                moment_bytes=moment_dtype.itemsize,
             )
+        if moment_dtype == torch.bfloat16:
+            _warn_if_bf16_moments_cannot_decay(self.rule, optimizer)
         for layout, module in layouts:
             covered.update(id(s.param) for s in layout.slots)
             self.units.append(self._host_unit(layout, masters, group_of, pin_memory))
@@ -207,12 +222,13 @@ class OffloadEngine:
     ) -> HostUnit:
         n, dev = layout.flat_numel, self.state_device
         param_dtype = layout.slots[0].local.dtype
-        state = [torch.zeros(n, dtype=torch.float32, device=dev) for _ in range(2 if self.rule is UpdateRule.LION else 3)]
+        moments = 1 if self.rule is UpdateRule.LION else 2
+        state = [torch.zeros(n, dtype=dtype, device=dev) for dtype in [torch.float32] + [self.moment_dtype] * moments]
         for slot in layout.slots:
             state[0][slot.offset : slot.offset + slot.numel].copy_(masters[id(slot.param)].reshape(-1))
         # the spare starts as a copy, so the runs no update writes (gaps, padding) agree in both
         spare = tuple(t.clone() for t in state) if self.overlap else None
-        grad_sum = host_empty(n, self.grad_accum_dtype or torch.float32, dev, pin).zero_()
+        grad_sum = self._new_grad_sum(n) if self.sums_windows else None
         segments: list[Segment] = []
         updated_slots = []
         for slot in layout.slots:
@@ -234,12 +250,22 @@ class OffloadEngine:
         else:
             param_staging = host_empty(n, param_dtype, dev, pin)
             param_staging.copy_(state[0])
-        tensors = [*state, *(spare or ()), grad_sum, grad_staging]
+        tensors = [*state, *(spare or ()), *(() if grad_sum is None else (grad_sum,)), grad_staging]
         tensors += [] if param_staging is state[0] else [param_staging]
         unit = HostUnit(layout, segments, gaps, updated_slots, state[0], state[1], state[2] if len(state) == 3 else None,
                         spare, grad_sum, grad_staging, param_staging, host_tensors=tensors)
         unit.staging_free.set()
         return unit
+
+    def _new_grad_sum(self, numel: int) -> torch.Tensor:
+        return host_empty(numel, self.grad_sum_dtype, self.state_device, self.pin_memory).zero_()
+
+    def _grad_sum(self, unit: HostUnit) -> torch.Tensor:
+        """The unit's window sum, allocated when a window of several micro-batches first needs it."""
+        if unit.grad_sum is None:
+            unit.grad_sum = self._new_grad_sum(unit.layout.flat_numel)
+            unit.host_tensors.append(unit.grad_sum)
+        return unit.grad_sum
 
     def _state(self, unit: HostUnit) -> tuple[torch.Tensor, ...]:
         return (unit.master, unit.exp_avg) if unit.exp_avg_sq is None else (unit.master, unit.exp_avg, unit.exp_avg_sq)
@@ -290,16 +316,17 @@ class OffloadEngine:
     def _accumulate_on_accelerator(self, unit: HostUnit, flat_grad: torch.Tensor, window_ends: bool) -> None:
         # The window's sum lives in an accelerator buffer; the host sees it once, at the window's end. Unless
         # retained, the buffer goes down to the host after every micro-batch and comes back (exactly) for the next.
+        grad_sum = self._grad_sum(unit)
         if unit.device_sum is None and unit.has_grad:
-            unit.device_sum = unit.grad_sum.to(self.param_device, non_blocking=True, copy=True)
-            self.traffic.add(h2d_bytes=unit.grad_sum.nbytes)
+            unit.device_sum = grad_sum.to(self.param_device, non_blocking=True, copy=True)
+            self.traffic.add(h2d_bytes=grad_sum.nbytes)
         if unit.device_sum is None:
-            unit.device_sum = flat_grad.to(unit.grad_sum.dtype, copy=True)
+            unit.device_sum = flat_grad.to(grad_sum.dtype, copy=True)
         else:
             unit.device_sum.add_(flat_grad)
         if window_ends or not self.retain_device_sum:
-            unit.grad_sum.copy_(unit.device_sum, non_blocking=True)
-            self.traffic.add(d2h_bytes=unit.grad_sum.nbytes)
+            grad_sum.copy_(unit.device_sum, non_blocking=True)
+            self.traffic.add(d2h_bytes=grad_sum.nbytes)
 
     @torch.no_grad()
     def after_backward(self) -> None:
@@ -324,11 +351,11 @@ class OffloadEngine:
             elif unit.has_grad:
                 if unit.grad_in_staging:  # the staged gradient was just overwritten: refuse, never guess
                     raise RuntimeError("zoff: a second backward ran after the window's last one, before the step")
-                self._accumulate(unit.grad_sum, unit.grad_staging)
+                self._accumulate(self._grad_sum(unit), unit.grad_staging)
             elif window_ends:
                 unit.grad_in_staging = True
             else:
-                self._accumulate(unit.grad_sum, unit.grad_staging, replace=True)
+                self._accumulate(self._grad_sum(unit), unit.grad_staging, replace=True)
             unit.has_grad = True
             if window_ends:
                 unit.sumsq = self._unit_sumsq(unit)
@@ -354,7 +381,10 @@ class OffloadEngine:
 
     @staticmethod
     def _window_grad(unit: HostUnit) -> torch.Tensor:
-        return unit.grad_staging if unit.grad_in_staging else unit.grad_sum
+        if unit.grad_in_staging:
+            return unit.grad_staging
+        assert unit.grad_sum is not None  # a window's gradient is in one of the two
+        return unit.grad_sum
 
     def _unit_sumsq(self, unit: HostUnit) -> float:
         grad = self._window_grad(unit)
@@ -514,13 +544,13 @@ class OffloadEngine:
             "host_master": sum(u.master.nbytes for u in self.units),
             "host_optimizer_state": sum(t.nbytes for u in self.units for t in (u.exp_avg, u.exp_avg_sq) if t is not None),
             "host_spare_state": sum(t.nbytes for u in self.units for t in (u.spare or ())),
-            "host_grad_sum": sum(u.grad_sum.nbytes for u in self.units),
+            "host_grad_sum": sum(u.grad_sum.nbytes for u in self.units if u.grad_sum is not None),
             "host_staging": sum(u.grad_staging.nbytes + (0 if u.param_staging is u.master else u.param_staging.nbytes)
                                 for u in self.units),
         }
         host_total = sum(host.values())
-        sum_bytes = [u.layout.flat_numel * u.grad_sum.element_size() for u in self.units]
-        if not self.accumulate_on_accelerator:
+        sum_bytes = [u.layout.flat_numel * self.grad_sum_dtype.itemsize for u in self.units]
+        if not (self.accumulate_on_accelerator and self.sums_windows):
             accel_sum = 0
         elif self.retain_device_sum:
             accel_sum = sum(sum_bytes)  # every unit's buffer for the whole window
@@ -537,6 +567,22 @@ class OffloadEngine:
             "accelerator_bytes_per_param": accel_params / max(local_numel, 1),
             "host_bytes_per_param": host_total / max(local_numel, 1),
         }
+
+
+def _warn_if_bf16_moments_cannot_decay(rule: UpdateRule, optimizer: torch.optim.Optimizer) -> None:
+    # Rounding to nearest gives a bf16 moment back unchanged unless the step moves it by half a bf16 ulp, 2^-9 to 2^-8
+    # of its value. Decaying, a step moves it by at most (1 - beta) of its value: with 1 - beta below 2^-8 the decay
+    # can round away, below 2^-9 (beta2 = 0.999) it always does, and the moment only ever grows.
+    decays = [("beta2", 1, "exp_avg")] if rule is UpdateRule.LION else [("beta1", 0, "exp_avg"), ("beta2", 1, "exp_avg_sq")]
+    slow = sorted({f"{name}={float(group['betas'][i]):g} ({moment})" for group in optimizer.param_groups
+                   for name, i, moment in decays if 1 - float(group["betas"][i]) < 2**-8})
+    if slow:
+        warnings.warn(
+            f"zoff: optimizer_state_dtype='bf16' with {', '.join(slow)}: a step decays such a moment by less than half"
+            " a bf16 ulp, so rounding to nearest can keep its old value (at 0.999 it never shrinks, it only grows)."
+            " Use betas of at most 0.996 (0.95 is common for beta2) or optimizer_state_dtype='fp32'.",
+            stacklevel=3,
+        )
 
 
 def describe_memory(report: dict[str, float]) -> str:

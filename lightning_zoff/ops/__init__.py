@@ -1,12 +1,16 @@
 """Fused CPU optimizer kernels (csrc/), JIT-built on first use.
 
 Each call is one sweep over contiguous CPU tensors on `threads` OpenMP threads with the GIL released: read the
-gradient (fp32, bf16 or fp16), scale it, update the fp32 param and moments (in place, or into the tensors given as
-`into`, leaving the inputs untouched) and, if `out` is given, write the updated param rounded to nearest even into
-that bf16/fp16 tensor (equal to `param.to(out.dtype)`; NaN stays NaN). Arrays that are only written (`out`, and `into`) get non-temporal stores where aligned, which skips reading
-their lines first; `stream=False` (or ZOFF_STREAM_STORES=0) turns that off. Nothing is copied: non-contiguous, wrongly typed or mis-sized tensors raise ValueError.
-`isa=None` uses `selected_isa()`; `threads=None` uses `torch.get_num_threads()`.
-"""
+gradient (fp32, bf16 or fp16), scale it, update the fp32 param and the moments (in place, or into the tensors given
+as `into`, leaving the inputs untouched) and, if `out` is given, write the updated param rounded to nearest even into
+that bf16/fp16 tensor (equal to `param.to(out.dtype)`; NaN stays NaN). The moments are fp32 or bf16 (all of one
+call's alike, `into`'s too): bf16 ones are loaded into fp32, updated with the same fp32 math and stored rounded to
+nearest even (equal to `.to(torch.bfloat16)` of the fp32 result; NaN stays NaN); the param is used in fp32 with the
+unrounded moments. Arrays that are only written (`out`, and `into`) get non-temporal stores where aligned, which
+skips reading their lines first; `stream=False` (or ZOFF_STREAM_STORES=0) turns that off. Nothing is copied:
+non-contiguous, wrongly typed (a param that is not fp32, moments neither fp32 nor bf16 or of two dtypes) or
+mis-sized tensors raise ValueError naming the tensor.
+`isa=None` uses `selected_isa()`; `threads=None` uses `torch.get_num_threads()`."""
 
 from __future__ import annotations
 

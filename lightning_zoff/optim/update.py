@@ -1,6 +1,7 @@
 """One optimizer update of a contiguous fp32 run of parameters: the fused CPU kernel, or torch ops on an
-accelerator (strategy "zoff_no_offload"). Both read the gradient in its own dtype times `grad_scale` and can write
-a 16-bit copy of the updated parameter into `out`."""
+accelerator (strategy "zoff_no_offload"). Both read the gradient in its own dtype times `grad_scale`, keep the moments
+in fp32 or bf16 (updated in fp32, stored rounded to nearest even) and can write a 16-bit copy of the updated
+parameter into `out`."""
 
 from __future__ import annotations
 
@@ -45,6 +46,13 @@ def _cpu_update(rule, hp, step, param, grad, exp_avg, exp_avg_sq, grad_scale, ou
 
 
 def _torch_update(rule, hp, step, param, grad, exp_avg, exp_avg_sq, grad_scale, out) -> None:
+    if exp_avg.dtype != torch.float32:  # 16-bit moments: the step in fp32 on copies, stored rounded as the kernel does
+        moments = [t for t in (exp_avg, exp_avg_sq) if t is not None]
+        fp32 = [t.float() for t in moments]
+        _torch_update(rule, hp, step, param, grad, fp32[0], fp32[1] if len(fp32) == 2 else None, grad_scale, out)
+        for moment, updated in zip(moments, fp32):
+            moment.copy_(updated)
+        return
     g = grad.float() * grad_scale
     if hp.maximize:
         g.neg_()
