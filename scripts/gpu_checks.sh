@@ -18,6 +18,7 @@ for stage in "$@"; do
     env) { nvidia-smi -L; nproc; lscpu | grep -i numa; lscpu | grep -E "Model name|Flags" | cut -c1-300; free -g | head -2
            python3 -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__)"; } 2>&1 | tee "$OUT/env.txt" ;;
     suite) timeout 200 python3 -m pytest -q -x tests/test_kernels.py tests/test_optim.py tests/test_training.py 2>&1 | tail -6 | tee "$OUT/pytest.txt" ;;
+    kquick) timeout 120 python3 -m pytest -q -x tests/test_kernels.py -k "bf16_moments or agree or into" 2>&1 | tail -3 | tee "$OUT/kernels_quick.txt" ;;
     reference) timeout 150 python3 scripts/check_reference.py --steps 30 --out "$OUT/reference_check.json" 2>&1 | grep -v "^INFO\|Tip\|available:" | tail -40 | tee "$OUT/reference_check.txt" ;;
     kernels) timeout 240 python3 scripts/bench_kernels.py --params 500e6 --out "$OUT/kernels.json" 2>&1 | grep -v "^INFO" | tail -25 | tee "$OUT/kernels.txt" ;;
     train) timeout 150 python3 scripts/train.py trainer.max_steps=60 hydra.run.dir=/tmp/train_run 2>&1 | grep -v "^INFO" | tail -25 | tee "$OUT/train.txt"; cp /tmp/train_run/loss.png "$OUT/" 2>/dev/null ;;
@@ -31,6 +32,16 @@ for stage in "$@"; do
     bench_4gpu) timeout ${BENCH4_TIMEOUT:-400} python3 scripts/bench.py --devices 4 --runs zoff deepspeed_zero3_offload --accumulate 1 --steps 5 --warmup 2 --out "$OUT/bench_4gpu_acc1.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/bench_4gpu_acc1.txt"
                 timeout ${BENCH4_TIMEOUT:-400} python3 scripts/bench.py --devices 4 --runs zoff --accumulate 4 --steps 5 --warmup 2 --out "$OUT/bench_4gpu_acc4.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/bench_4gpu_acc4.txt" ;;
     bench_2of4) CUDA_VISIBLE_DEVICES=0,1 timeout ${BENCH_TIMEOUT:-200} taskset -c 0-$(( $(nproc) / 2 - 1 )) python3 scripts/bench.py --devices 2 --runs zoff --accumulate 4 --steps 5 --warmup 2 --out "$OUT/bench_2of4.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/bench_2of4.txt" ;;
+    capacity)  # issue 10 on the 1x H200 box (128 GB host): Qwen3-4B's shape next to DeepSpeed, then the 7B GPT
+      q="python3 scripts/bench.py --model qwen3_4b --accumulate 1 --steps 4 --warmup 1"
+      timeout 150 $q --runs zoff_sync --out "$OUT/qwen3_4b_zoff_sync.json" 2>&1 | grep -v "^INFO" | tail -4 | tee "$OUT/qwen3_4b.txt"
+      timeout 220 $q --runs deepspeed_zero3_offload --out "$OUT/qwen3_4b_deepspeed.json" 2>&1 | grep -v "^INFO" | tail -4 | tee -a "$OUT/qwen3_4b.txt"
+      timeout 200 python3 scripts/check_capacity.py --model gpt7b --steps 20 --batch 4 --option "optimizer_state_dtype='bf16'" \
+          --option overlap=False --out "$OUT/capacity_gpt7b.json" 2>&1 | grep -v "^INFO" | tail -26 | tee "$OUT/capacity_gpt7b.txt"
+      left=$(( ${CAPACITY_BUDGET:-560} - SECONDS ))
+      [ $left -gt 60 ] && timeout $left $q --runs zoff_bf16_moments --out "$OUT/qwen3_4b_zoff_bf16_moments.json" 2>&1 | grep -v "^INFO" | tail -4 | tee -a "$OUT/qwen3_4b.txt"
+      left=$(( ${CAPACITY_BUDGET:-560} - SECONDS ))
+      [ $left -gt 60 ] && timeout $left python3 scripts/bench.py --runs zoff_bf16_moments zoff --accumulate 1 --steps 5 --warmup 2 --out "$OUT/gpt1b_zoff_bf16_moments.json" 2>&1 | grep -v "^INFO" | tail -4 | tee "$OUT/gpt1b_bf16_moments.txt" ;;
     bench_more) timeout ${BENCH_TIMEOUT:-400} python3 scripts/bench.py --runs fsdp2_cpu_offload zoff zoff_sync --accumulate 1 4 --steps 5 --warmup 2 --out "$OUT/bench_more.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/bench_more.txt" ;;
   esac
 done
