@@ -368,10 +368,7 @@ class ZoffStrategy(ParallelStrategy):
         return self._cpu_layout.kernel_threads
 
     def _plan_cpu_layout(self) -> CpuLayout:
-        # on a GPU machine the training thread keeps a core to launch kernels while the overlapped update runs
-        keep_one = self.root_device.type == "cuda" and self.overlap and self.offload
-        return plan_layout(sorted(os.sched_getaffinity(0)), self.local_rank, self.num_processes, self.cpu_threads,
-                           keep_one_for_training=keep_one)
+        return plan_layout(sorted(os.sched_getaffinity(0)), self.local_rank, self.num_processes, self.cpu_threads)
 
     def _log_memory(self) -> None:
         assert self.engine is not None

@@ -12,9 +12,9 @@ def test_each_rank_gets_its_own_equal_slice():
 
 
 def test_the_training_thread_keeps_a_core_on_gpu_machines():
-    layout = plan_layout(range(16), 0, 1, None, keep_one_for_training=True)
-    assert (layout.kernel_threads, layout.torch_threads) == (15, 1)
-    assert layout.describe() == "cores 0-15 (16), 15 optimizer threads, 1 torch threads"
-    assert plan_layout(range(16), 1, 2, None, keep_one_for_training=False).kernel_threads == 8
-    assert plan_layout(range(2), 0, 1, None, keep_one_for_training=True).kernel_threads == 2  # too few to keep one
-    assert plan_layout(range(16), 0, 1, 4, keep_one_for_training=True).kernel_threads == 4  # asked for
+    layout = plan_layout(range(16), 0, 1, None)
+    assert (layout.kernel_threads, layout.torch_threads) == (16, 1)
+    assert layout.describe() == "cores 0-15 (16), 16 optimizer threads, 1 torch threads"
+    assert plan_layout(range(16), 1, 2, None).kernel_threads == 8
+    layout = plan_layout(range(16), 0, 1, 4)  # asked for: torch keeps the rest
+    assert (layout.kernel_threads, layout.torch_threads) == (4, 12)

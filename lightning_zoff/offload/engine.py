@@ -138,7 +138,8 @@ def _record_event(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
 
 
 class OffloadEngine:
-    """Holds one rank's fp32 master shard and optimizer state and runs the update for every FSDP2 unit."""
+    """Holds one rank's fp32 master shard and optimizer state and runs the update for every FSDP2 unit. `masters`
+    (fp32 shards by id of the sharded parameter) is emptied as the host state takes them over."""
 
     def __init__(
         self,
@@ -224,8 +225,8 @@ class OffloadEngine:
         param_dtype = layout.slots[0].local.dtype
         moments = 1 if self.rule is UpdateRule.LION else 2
         state = [torch.zeros(n, dtype=dtype, device=dev) for dtype in [torch.float32] + [self.moment_dtype] * moments]
-        for slot in layout.slots:
-            state[0][slot.offset : slot.offset + slot.numel].copy_(masters[id(slot.param)].reshape(-1))
+        for slot in layout.slots:  # consumed: the model's fp32 copies are freed as the host state fills
+            state[0][slot.offset : slot.offset + slot.numel].copy_(masters.pop(id(slot.param)).reshape(-1))
         # the spare starts as a copy, so the runs no update writes (gaps, padding) agree in both
         spare = tuple(t.clone() for t in state) if self.overlap else None
         grad_sum = self._new_grad_sum(n) if self.sums_windows else None
