@@ -271,16 +271,20 @@ def main() -> None:
                   f" exposed_opt={r['exposed_optimizer_s']:.3f}s peak_gpu={r['peak_gpu_gb']:.1f}GB"
                   f" host={r['host_gb']:.1f}GB", flush=True)
     print(f"\nmachine: {machine}\n{'run':>18} {'acc':>4} {'step s':>8} {'tokens/s':>10} {'exposed opt s':>14}"
-          f" {'peak GPU GB':>12} {'host GB':>8} {'vs gpu_only':>12}")
+          f" {'peak GPU GB':>12} {'host GB':>8} {'vs gpu_only':>12} {'vs deepspeed':>13}")
+
+    def versus(r: dict, name: str) -> str:  # throughput ratio to `name`'s run at the same accumulation, same call
+        base = next((b for b in runs if b["name"] == name and b["accumulate"] == r["accumulate"] and "error" not in b),
+                    None)
+        return f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
+
     for r in runs:
         if "error" in r:
             print(f"{r['name']:>18} {r['accumulate']:>4}  failed")
             continue
-        base = next((b for b in runs if b["name"] == "gpu_only" and b["accumulate"] == r["accumulate"]
-                     and "error" not in b), None)
-        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
         print(f"{r['name']:>18} {r['accumulate']:>4} {r['step_s_median']:>8.3f} {r['tokens_per_s']:>10.0f}"
-              f" {r['exposed_optimizer_s']:>14.3f} {r['peak_gpu_gb']:>12.1f} {r['host_gb']:>8.1f} {ratio:>12}")
+              f" {r['exposed_optimizer_s']:>14.3f} {r['peak_gpu_gb']:>12.1f} {r['host_gb']:>8.1f}"
+              f" {versus(r, 'gpu_only'):>12} {versus(r, 'deepspeed_zero3_offload'):>13}")
     out.write_text(json.dumps({"machine": machine, "runs": runs}, indent=1))
     print(f"wrote {out}")
 
