@@ -3,9 +3,10 @@
     python scripts/check_capacity.py --model gpt7b --steps 20 --option optimizer_state_dtype=bf16 \
         --option overlap=False --out capacity.json
 
-One process, one accelerator (or the CPU). The model is built under `trainer.init_module(empty_init=True)`, so no
+One process per device (`--devices`, ranks of one node; the CPU with gloo where there is no accelerator). The model is built under `trainer.init_module(empty_init=True)`, so no
 process ever holds it whole; zoff materialises one unit at a time. Prints per-step loss and time, then peak GPU
-memory, peak host RSS and zoff's host bytes per parameter, and writes them to `--out`. Exits non-zero unless the
+memory, peak host RSS (rank 0's process; the node holds about `--devices` times that) and zoff's host bytes per
+parameter, and writes them to `--out`. Exits non-zero unless the
 loss fell (the mean of the last quarter of the steps below the mean of the first quarter).
 """
 
@@ -25,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 MODELS = {
     # LLaMA-7B's width and depth in the example GPT: 6.71B parameters
     "gpt7b": dict(vocab_size=32000, block_size=1024, n_layer=32, n_head=32, n_embd=4096, bias=False),
+    # LLaMA-30B's width and depth: 32.5B parameters, for the 8-GPU machine's 560 GB host
+    "gpt30b": dict(vocab_size=32000, block_size=1024, n_layer=60, n_head=52, n_embd=6656, bias=False),
     "gpt1b": dict(vocab_size=32000, block_size=1024, n_layer=24, n_head=16, n_embd=2048, bias=False),
     "tiny": dict(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64, bias=False),  # CPU smoke test
 }
@@ -42,7 +45,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=sorted(MODELS), default="gpt7b")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8, help="per device")
+    parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--precision", default=None, help="default: bf16-mixed on GPU, 32-true on CPU")
     parser.add_argument("--option", action="append", default=[], help="ZoffStrategy option key=value (repeatable)")
@@ -70,18 +74,20 @@ def main() -> None:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.losses.append(outputs["loss"].item())  # .item() waits for the step's GPU work
             self.times.append(time.perf_counter() - self.start)
-            print(f"step {len(self.losses):3d} loss {self.losses[-1]:.4f} {self.times[-1]:.3f} s", flush=True)
+            if trainer.global_rank == 0:
+                print(f"step {len(self.losses):3d} loss {self.losses[-1]:.4f} {self.times[-1]:.3f} s", flush=True)
 
     pl.seed_everything(0)
     record = Record()
-    trainer = pl.Trainer(accelerator="gpu" if gpu else "cpu", devices=1, strategy=ZoffStrategy(**options),
+    trainer = pl.Trainer(accelerator="gpu" if gpu else "cpu", devices=args.devices, strategy=ZoffStrategy(**options),
                          precision=args.precision or ("bf16-mixed" if gpu else "32-true"), max_steps=args.steps,
                          gradient_clip_val=1.0, callbacks=[record], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
     with trainer.init_module(empty_init=True):
         module = GPTModule(**cfg, lr=args.lr)
     params = sum(p.numel() for p in module.parameters())
-    print(f"{args.model}: {params / 1e9:.2f}B parameters, zoff options {options}", flush=True)
+    if trainer.global_rank == 0:
+        print(f"{args.model}: {params / 1e9:.2f}B parameters, zoff options {options}", flush=True)
     data = CorpusDataModule(block_size=cfg["block_size"], batch_size=args.batch, max_bytes=4_000_000)
     started = time.perf_counter()
     trainer.fit(module, datamodule=data)
@@ -98,8 +104,10 @@ def main() -> None:
         "peak_host_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
         "host_bytes_per_param": report.get("host_bytes_per_param"), "memory": report,
         "loss_first_quarter": first, "loss_last_quarter": last, "loss_fell": last < first,
-        "device": torch.cuda.get_device_name() if gpu else "cpu",
+        "device": torch.cuda.get_device_name() if gpu else "cpu", "devices": args.devices,
     }
+    if trainer.global_rank != 0:  # each rank's loss is over its own samples; rank 0 reports
+        sys.exit(0 if result["loss_fell"] else 1)
     args.out.write_text(json.dumps(result, indent=1))
     print(f"{args.model} {params / 1e9:.2f}B: {len(losses)} steps, loss {first:.3f} -> {last:.3f}, median step"
           f" {result['step_s_median']:.3f} s, peak GPU {result['peak_gpu_gb']:.1f} GB, peak host RSS"

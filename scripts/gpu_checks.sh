@@ -31,6 +31,12 @@ for stage in "$@"; do
     bench_1of2) CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_TIMEOUT:-200} taskset -c 0-$(( $(nproc) / 2 - 1 )) python3 scripts/bench.py --runs zoff --accumulate 4 --steps 5 --warmup 2 --out "$OUT/bench_1of2.json" 2>&1 | grep -v "^INFO" | tail -20 | tee "$OUT/bench_1of2.txt" ;;
     bench_4gpu) timeout ${BENCH4_TIMEOUT:-400} python3 scripts/bench.py --devices 4 --runs zoff deepspeed_zero3_offload --accumulate 1 --steps 5 --warmup 2 --out "$OUT/bench_4gpu_acc1.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/bench_4gpu_acc1.txt"
                 timeout ${BENCH4_TIMEOUT:-400} python3 scripts/bench.py --devices 4 --runs zoff --accumulate 4 --steps 5 --warmup 2 --out "$OUT/bench_4gpu_acc4.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/bench_4gpu_acc4.txt" ;;
+    bench_8gpu) timeout ${BENCH8_TIMEOUT:-400} python3 scripts/bench.py --devices 8 --runs zoff deepspeed_zero3_offload --accumulate 1 --steps 5 --warmup 2 --out "$OUT/bench_8gpu_acc1.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/bench_8gpu_acc1.txt"
+                timeout ${BENCH8_TIMEOUT:-400} python3 scripts/bench.py --devices 8 --runs zoff --accumulate 4 --steps 5 --warmup 2 --out "$OUT/bench_8gpu_acc4.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/bench_8gpu_acc4.txt" ;;
+    capacity_8gpu)  # issue 9's largest model on the 8-GPU machine's 560 GB host: 32.5B at 12 B/param is 390 GB
+      timeout ${CAPACITY_TIMEOUT:-560} python3 scripts/check_capacity.py --model gpt30b --devices 8 --steps 20 --batch 4 \
+          --option "optimizer_state_dtype='bf16'" --option overlap=False --out "$OUT/capacity_gpt30b.json" 2>&1 \
+          | grep -v "^INFO" | tail -26 | tee "$OUT/capacity_gpt30b.txt" ;;
     bench_2of4) CUDA_VISIBLE_DEVICES=0,1 timeout ${BENCH_TIMEOUT:-200} taskset -c 0-$(( $(nproc) / 2 - 1 )) python3 scripts/bench.py --devices 2 --runs zoff --accumulate 4 --steps 5 --warmup 2 --out "$OUT/bench_2of4.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/bench_2of4.txt" ;;
     capacity)  # issue 10 on the 1x H200 box (128 GB host): Qwen3-4B's shape next to DeepSpeed, then the 7B GPT
       q="python3 scripts/bench.py --model qwen3_4b --accumulate 1 --steps 4 --warmup 1"
