@@ -9,12 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from lightning.pytorch import seed_everything
 
 from lightning_zoff import ZoffStrategy
 from lightning_zoff.cli import main
 from lightning_zoff.examples.corpus import CorpusDataModule
 from lightning_zoff.examples.gpt import GPTModule
+from lightning_zoff.examples.hf import HFCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = ROOT / "conf" / "cli"
@@ -45,6 +48,21 @@ def test_class_path_variant_sets_the_options():
     assert isinstance(cli.model, GPTModule) and isinstance(cli.datamodule, CorpusDataModule)
     optimizer = cli.model.configure_optimizers()
     assert type(optimizer).__name__ == "AdamW" and optimizer.defaults["lr"] == 1e-3
+
+
+def test_hugging_face_model_from_yaml_trains(tmp_path):
+    # in this process, the ranks forked (zoff_class_path.yaml): the command-line run is the GPT test's above
+    cli = main(["fit", "--config", str(CLI / "hf_qwen3_tiny.yaml"), "--config", str(CLI / "zoff_class_path.yaml"),
+                "--trainer.max_steps=2", "--trainer.limit_val_batches=0", "--trainer.logger=false",
+                "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+                f"--trainer.default_root_dir={tmp_path}", "--data.init_args.max_bytes=100000"])
+    module = cli.model
+    assert isinstance(module, HFCausalLM) and type(module.model).__name__ == "Qwen3ForCausalLM"
+    assert (module.hparams.model, module.block_size, cli.datamodule.block_size) == ("qwen3_tiny", 128, 128)
+    assert cli.trainer.state.finished and torch.isfinite(cli.trainer.callback_metrics["train_loss"])
+    # the main process's model got the trained weights back: not the init's any more (same seed, built again)
+    seed_everything(1234)
+    assert not torch.equal(module.model.lm_head.weight, HFCausalLM("qwen3_tiny").model.lm_head.weight)
 
 
 def test_wrong_option_type_names_the_key(capsys):

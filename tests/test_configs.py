@@ -22,6 +22,7 @@ import lightning_zoff.optim
 from lightning_zoff import ZoffStrategy
 from lightning_zoff.examples.corpus import CorpusDataModule, SyntheticDataModule
 from lightning_zoff.examples.gpt import Block, GPTModule
+from lightning_zoff.examples.hf import HFCausalLM
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 # every option of every group (conf/cli/ is LightningCLI's, not Hydra's)
@@ -37,7 +38,7 @@ def compose_train(*overrides: str):
 def test_every_option_composes(group, name):
     cfg = compose_train(f"{group}={name}")
     OmegaConf.resolve(cfg)  # every interpolation (data.block_size -> model.block_size, ...) has a target
-    assert cfg.keys() >= {"trainer", "strategy", "model", "data", "optimizer", "seed", "sample"}
+    assert cfg.keys() >= {"trainer", "strategy", "model", "data", "optimizer", "seed", "sample", "empty_init"}
 
 
 def test_trainer_options():
@@ -75,15 +76,47 @@ def test_ddp_and_deepspeed_strategies():
         instantiate(cfg)
 
 
-def test_gpt_tiny_builds_and_the_large_models_have_their_sizes():
+MODEL_SIZES = [("gpt_125m", 123e6, 126e6), ("gpt_1b", 1.33e9, 1.35e9), ("gpt_7b", 6.6e9, 6.8e9),
+               ("hf_qwen3_4b", 4.02e9, 4.025e9)]
+
+
+def test_every_model_option_is_tested():
+    assert {name for group, name in OPTIONS if group == "model"} == {"gpt_tiny", "hf_llama_tiny", "hf_qwen3_tiny",
+                                                                      *(name for name, _, _ in MODEL_SIZES)}
+
+
+def test_the_tiny_models_build_and_the_large_models_have_their_sizes():
     tiny = instantiate(compose_train().model)
     assert isinstance(tiny, GPTModule) and 0.8e6 < tiny.model.num_params() < 1e6
-    for name, low, high in [("gpt_125m", 123e6, 126e6), ("gpt_1b", 1.33e9, 1.35e9), ("gpt_7b", 6.6e9, 6.8e9)]:
+    for name, preset, size in [("hf_llama_tiny", "llama_tiny", 106_816), ("hf_qwen3_tiny", "qwen3_tiny", 90_496)]:
+        module = instantiate(compose_train(f"model={name}").model)
+        assert isinstance(module, HFCausalLM) and module.hparams.model == preset, name
+        assert sum(p.numel() for p in module.parameters()) == size and module.block_size == 128, name
+        assert type(module.hparams.config) is dict  # _convert_: plain values in checkpoints
+    for name, low, high in MODEL_SIZES:
         with torch.device("meta"):  # shapes only: nothing is allocated
             model = instantiate(compose_train(f"model={name}").model)
-        assert low < model.model.num_params() < high, name
+        assert low < sum(p.numel() for p in model.parameters()) < high, name
     big = compose_train("model=gpt_1b").model
     assert (big.n_embd, big.n_layer, big.n_head, big.block_size, big.vocab_size) == (2048, 24, 16, 1024, 32000)
+    with torch.device("meta"):
+        qwen3_4b = instantiate(compose_train("model=hf_qwen3_4b").model)
+    config = qwen3_4b.model.config
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
+            config.intermediate_size, config.vocab_size, config.tie_word_embeddings) == (
+            2560, 36, 32, 8, 9728, 151936, True)
+    assert qwen3_4b.model.lm_head.weight is qwen3_4b.model.model.embed_tokens.weight
+
+
+def test_the_largest_models_are_built_on_the_meta_device(train_script):
+    on_meta = {name for group, name in OPTIONS if group == "model" and compose_train(f"model={name}").empty_init}
+    assert on_meta == {"gpt_7b", "hf_qwen3_4b"}
+    assert not compose_train("model=gpt_7b", "empty_init=false").empty_init  # the command line still wins
+    train_script.check_empty_init(ZoffStrategy(), True)
+    train_script.check_empty_init(DDPStrategy(), False)
+    with pytest.raises(ValueError, match="empty_init=true needs strategy=zoff or zoff_no_offload: DDPStrategy would"
+                                         " train uninitialised weights. Add empty_init=false."):
+        train_script.check_empty_init(DDPStrategy(), True)
 
 
 def test_data_follows_the_model():
@@ -91,12 +124,16 @@ def test_data_follows_the_model():
     assert isinstance(corpus, CorpusDataModule) and corpus.block_size == 1024
     synthetic = instantiate(compose_train("data=synthetic", "model=gpt_125m").data)
     assert isinstance(synthetic, SyntheticDataModule) and (synthetic.vocab_size, synthetic.block_size) == (50304, 1024)
+    assert instantiate(compose_train("model=hf_qwen3_tiny").data).block_size == 128
+    synthetic = instantiate(compose_train("data=synthetic", "model=hf_qwen3_4b").data)
+    assert (synthetic.vocab_size, synthetic.block_size) == (151936, 512)
 
 
+@pytest.mark.parametrize("model", ["gpt_tiny", "hf_qwen3_tiny"])
 @pytest.mark.parametrize("name,kind", [("adamw", torch.optim.AdamW), ("lion", lightning_zoff.optim.Lion),
                                        ("sgd", torch.optim.SGD)])
-def test_optimizers_are_factories_of_the_model(name, kind):
-    cfg = compose_train(f"optimizer={name}", "optimizer.lr=0.02")
+def test_optimizers_are_factories_of_the_model(name, kind, model):
+    cfg = compose_train(f"optimizer={name}", "optimizer.lr=0.02", f"model={model}")
     model = instantiate(cfg.model, optimizer=instantiate(cfg.optimizer))
     optimizer = model.configure_optimizers()
     assert type(optimizer) is kind

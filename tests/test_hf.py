@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_zoff import ZoffStrategy
 from lightning_zoff.examples.corpus import CorpusDataModule
-from lightning_zoff.examples.gpt import GPTModule
+from lightning_zoff.examples.gpt import GPTModule, token_bytes
 from lightning_zoff.examples.hf import PRESETS, HFCausalLM, hf_config
 from lightning_zoff.sharding import default_param_init, materialize, plan_units
 from resume_run import SaveBatch
@@ -178,6 +178,29 @@ def test_presets_and_optimizer_groups():
     assert all(p.dim() == 2 for p in decay["params"])
     with pytest.raises(ValueError, match="not a preset .*qwen3_tiny"):
         hf_config("no_such_model")
+    wide = HFCausalLM("qwen3_tiny", config={"vocab_size": 300}, vocab_size=512)  # the argument wins
+    assert wide.model.config.vocab_size == 512 and wide.model.model.embed_tokens.weight.shape == (512, 64)
+    assert (wide.block_size, HFCausalLM("qwen3_tiny", block_size=128).block_size) == (256, 128)  # 256: max positions
+
+
+def test_generate_is_greedy_search_at_top_k_1_and_sample_gives_bytes():
+    torch.manual_seed(0)
+    module = HFCausalLM("qwen3_tiny", block_size=64).eval()
+    with torch.no_grad():  # larger weights than the init's, so that the greedy tokens vary
+        for p in module.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    idx = torch.tensor([list(b"import ")])
+    # transformers' own greedy search (with its KV cache) gives the same tokens as our loop of full forwards
+    greedy = module.model.generate(idx, max_new_tokens=24, do_sample=False)
+    assert torch.equal(module.generate(idx, 24, top_k=1), greedy)
+    module.block_size = 8
+    out = module.sample(b"def ", 20, top_k=10)  # longer than block_size: the context is cropped
+    assert isinstance(out, bytes) and out.startswith(b"def ") and len(out) == 24
+    # ids past the bytes (qwen3_4b's vocabulary, barely trained) print as U+FFFD
+    assert token_bytes([100, 255, 256, 151935]) == b"d\xff" + "\ufffd".encode() * 2
+    wide = HFCausalLM("qwen3_tiny", vocab_size=4096).sample(b"x", 8)  # near uniform: most of its ids are no byte
+    assert wide.startswith(b"x") and "\ufffd".encode() in wide
 
 
 # -- training on 2 ranks ------------------------------------------------------------------------------------------

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import csv
+import math
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import lightning.pytorch as pl
 import torch
 
 from lightning_zoff import checkpoint_files
 from lightning_zoff.consolidate import consolidate
-
 from lightning_zoff.examples.gpt import GPTModule
+from lightning_zoff.examples.hf import HFCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
 # smaller than the defaults, so the runs stay short: less corpus to read, a shorter sample
@@ -28,14 +31,15 @@ def train(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     return proc
 
 
-def load_weights(checkpoint: Path) -> tuple[int, dict[str, torch.Tensor]]:
-    """The step and full fp32 weights of a sharded checkpoint directory, consolidated into one file."""
+def load_weights(checkpoint: Path, model: pl.LightningModule | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+    """The step and full fp32 weights of a sharded checkpoint directory, consolidated into one file; they load into
+    `model` (default: gpt_tiny's GPTModule) strictly."""
     assert checkpoint.is_dir()  # zoff's default: sharded
     step = checkpoint_files.read(checkpoint, None)["global_step"]
     single = checkpoint.parent / "consolidated.pt"
     consolidate(checkpoint, single, progress=False)
     state_dict = torch.load(single, map_location="cpu", weights_only=True)["state_dict"]
-    GPTModule().load_state_dict(state_dict)  # gpt_tiny's shape, strict: the plain model's full weights
+    (model or GPTModule()).load_state_dict(state_dict)  # strict: the plain model's full weights
     return step, state_dict
 
 
@@ -60,6 +64,27 @@ def test_one_job(tmp_path):
     assert is_png(run_dir / "loss.png")
     sample = out.split(" sample ")[1].split("\n", 1)[1]
     assert sample.startswith("def ")
+
+
+def test_one_job_with_a_hugging_face_model(tmp_path):
+    proc = train(tmp_path, "model=hf_qwen3_tiny", "trainer.max_steps=3", "trainer.log_every_n_steps=1", *SMALL)
+    out = proc.stdout
+    assert "FSDPQwen3ForCausalLM" in out  # the model summary: the transformers model, sharded
+    checkpoint = Path(out.split("checkpoint: ")[1].split("\n")[0])
+    run_dir = checkpoint.parents[1]
+    metrics = run_dir / "lightning_logs" / "version_0" / "metrics.csv"  # Lightning's CSVLogger: no tensorboard here
+    if metrics.exists():
+        with open(metrics) as rows:
+            losses = [float(row["train_loss"]) for row in csv.DictReader(rows) if row["train_loss"]]
+        assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
+    else:  # TensorBoard's logger: the progress bar's (TQDM or Rich) last loss
+        assert re.search(r"train_loss[=:] ?\d", out)
+    step, weights = load_weights(checkpoint, HFCausalLM("qwen3_tiny"))
+    assert step == 3 and "model.model.layers.1.mlp.down_proj.weight" in weights
+    assert is_png(run_dir / "loss.png")
+    # the sample: HFCausalLM.sample, run by the sharded model in both ranks
+    sample = out.split(" sample ")[1].split("\n", 1)[1]
+    assert sample.startswith("def ") and "step breakdown (rank 0, steps 2-3" in out
 
 
 def test_sweep_runs_each_job_in_its_own_directory(tmp_path):

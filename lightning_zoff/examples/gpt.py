@@ -129,13 +129,18 @@ class GPT(nn.Module):
         """Append `max_new_tokens` sampled tokens to `idx` (B, T) and return the longer sequence."""
         for _ in range(max_new_tokens):
             logits, _ = self(idx[:, -self.config.block_size :])
-            logits = logits[:, -1, :].float() / temperature
-            if top_k is not None:
-                kth_largest = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                logits = logits.masked_fill(logits < kth_largest, -math.inf)
-            next_token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
-            idx = torch.cat([idx, next_token], dim=1)
+            idx = torch.cat([idx, draw_token(logits[:, -1, :], temperature, top_k)], dim=1)
         return idx
+
+
+def draw_token(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None) -> torch.Tensor:
+    """One token per row of `logits` (B, vocab), drawn from the softmax at `temperature` over the `top_k` most likely
+    tokens (all of them when None): (B, 1) ids. `HFCausalLM.generate` draws with it too."""
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth_largest = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth_largest, -math.inf)
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
 
 
 def decay_groups(module: nn.Module) -> list[dict]:
@@ -237,4 +242,10 @@ class GPTModule(pl.LightningModule):
         device = next(self.model.parameters()).device
         idx = torch.tensor([list(prompt)], dtype=torch.long, device=device)
         out = self.model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k)
-        return bytes(out[0].tolist())
+        return token_bytes(out[0].tolist())
+
+
+def token_bytes(ids: list[int]) -> bytes:
+    """Byte tokens as bytes. An id past 255 (a vocabulary larger than the data's bytes, barely trained) is no byte:
+    it becomes U+FFFD in UTF-8."""
+    return b"".join(bytes([i]) if i < 256 else "\ufffd".encode() for i in ids)

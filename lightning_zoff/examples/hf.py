@@ -15,6 +15,8 @@ As with `GPTModule`, the model is built in `__init__`. Under zoff, build a large
 
 Each rank then materialises and initialises only its own units, by the model's own `_init_weights` (which also
 recomputes buffers such as the rotary `inv_freq`): see `lightning_zoff.sharding.default_param_init`.
+
+`generate` and `sample` continue a sequence as `GPTModule`'s do (same arguments), so `scripts/train.py` samples either.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from lightning_zoff.examples.gpt import OptimizerFactory, decay_groups
+from lightning_zoff.examples.gpt import OptimizerFactory, decay_groups, draw_token, token_bytes
 
 # name: (transformers model type, config values). The tiny ones use the corpus data module's byte vocabulary.
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -74,12 +76,18 @@ class HFCausalLM(pl.LightningModule):
     """A transformers causal LM with its training loop. Batches are `(tokens, next tokens)` pairs, as the corpus and
     synthetic data modules give them; the loss is the mean cross entropy in fp32. `optimizer` builds the optimizer
     from two param groups (decay, no decay); without it, torch.optim.AdamW from `lr`, `weight_decay`, `betas`, `eps`.
+
+    `vocab_size` (None: the preset's or config's) sets the config's value; `block_size` (None: the config's
+    `max_position_embeddings`) is the longest context `generate` feeds the model. Both are `GPTModule`'s names, so the
+    Hydra data configs read them from either model (`${model.block_size}`, `${model.vocab_size}`).
     """
 
     def __init__(
         self,
         model: str = "llama_tiny",
         config: dict[str, Any] | None = None,
+        vocab_size: int | None = None,
+        block_size: int | None = None,
         lr: float = 1e-3,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -92,7 +100,10 @@ class HFCausalLM(pl.LightningModule):
         self.optimizer_factory = optimizer or functools.partial(
             torch.optim.AdamW, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay
         )
+        if vocab_size is not None:
+            config = {**(config or {}), "vocab_size": vocab_size}
         self.model = AutoModelForCausalLM.from_config(hf_config(model, config), attn_implementation=attn_implementation)
+        self.block_size = block_size or self.model.config.max_position_embeddings
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=idx, use_cache=False).logits
@@ -115,3 +126,27 @@ class HFCausalLM(pl.LightningModule):
 
     def configure_optimizers(self):
         return self.optimizer_factory(decay_groups(self))
+
+    @torch.no_grad()
+    def generate(
+        self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None
+    ) -> torch.Tensor:
+        """Append `max_new_tokens` sampled tokens to `idx` (B, T) and return the longer sequence. A full forward per
+        token, no KV cache: the same loop as `GPT.generate`, which a sharded model runs in every rank alike."""
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.block_size :])
+            idx = torch.cat([idx, draw_token(logits[:, -1, :], temperature, top_k)], dim=1)
+        return idx
+
+    def sample(
+        self, prompt: bytes, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None
+    ) -> bytes:
+        """Continue a byte string (its bytes are token ids 0-255, valid in any vocabulary of 256 or more); returns the
+        prompt followed by `max_new_tokens` generated tokens as bytes (see `token_bytes`).
+
+        With a sharded model every rank must call this together (each forward all-gathers).
+        """
+        device = next(self.model.parameters()).device
+        idx = torch.tensor([list(prompt)], dtype=torch.long, device=device)
+        out = self.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k)
+        return token_bytes(out[0].tolist())
