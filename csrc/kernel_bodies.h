@@ -236,24 +236,30 @@ struct Tag {
   using type = T;
 };
 
-// Calls fn(Tag<grad type>, Tag<moment type>, Tag<out type or void>): the element types are chosen once per call,
-// not per element.
+// Calls fn(Tag<float, Bf16 or Half>) for a floating-point DType: an element type is chosen once per call, not per
+// element.
+template <class Fn>
+auto with_dtype(DType dtype, const Fn& fn) {
+  switch (dtype) {
+    case DType::kBF16: return fn(Tag<Bf16>{});
+    case DType::kF16: return fn(Tag<Half>{});
+    default: return fn(Tag<float>{});
+  }
+}
+
+// Calls fn(Tag<grad type>, Tag<moment type>, Tag<out type or void>). The moments are fp32 or bf16 only, so the
+// kernels are not compiled for fp16 ones.
 template <class Task, class Fn>
 void with_types(const Task& t, const Fn& fn) {
-  const auto with_out = [&](auto grad, auto moment) {
-    if (!t.out) return fn(grad, moment, Tag<void>{});
-    if (t.out_dtype == DType::kBF16) return fn(grad, moment, Tag<Bf16>{});
-    return fn(grad, moment, Tag<Half>{});
-  };
-  const auto with_moment = [&](auto grad) {
-    if (t.moment_dtype == DType::kBF16) return with_out(grad, Tag<Bf16>{});
-    return with_out(grad, Tag<float>{});
-  };
-  switch (t.grad_dtype) {
-    case DType::kF32: return with_moment(Tag<float>{});
-    case DType::kBF16: return with_moment(Tag<Bf16>{});
-    case DType::kF16: return with_moment(Tag<Half>{});
-  }
+  with_dtype(t.grad_dtype, [&](auto grad) {
+    const auto with_out = [&](auto moment) {
+      if (!t.out) return fn(grad, moment, Tag<void>{});
+      if (t.out_dtype == DType::kBF16) return fn(grad, moment, Tag<Bf16>{});
+      return fn(grad, moment, Tag<Half>{});
+    };
+    if (t.moment_dtype == DType::kBF16) return with_out(Tag<Bf16>{});
+    return with_out(Tag<float>{});
+  });
 }
 
 void adam(const AdamTask& t, int64_t begin, int64_t end) {
@@ -269,33 +275,18 @@ void lion(const LionTask& t, int64_t begin, int64_t end) {
 }
 
 double sumsq(const SumsqTask& t, int64_t begin, int64_t end) {
-  switch (t.grad_dtype) {
-    case DType::kF32: return sumsq_typed<float>(t, begin, end);
-    case DType::kBF16: return sumsq_typed<Bf16>(t, begin, end);
-    case DType::kF16: return sumsq_typed<Half>(t, begin, end);
-  }
-  return 0.0;
+  return with_dtype(t.grad_dtype, [&](auto g) { return sumsq_typed<typename decltype(g)::type>(t, begin, end); });
 }
 
 void accumulate(const AccumulateTask& t, int64_t begin, int64_t end) {
-  const auto with_dst = [&](auto src) {
-    using S = typename decltype(src)::type;
-    const auto with_mode = [&](auto dst) {
+  with_dtype(t.src_dtype, [&](auto src) {
+    with_dtype(t.dst_dtype, [&](auto dst) {
       using D = typename decltype(dst)::type;
+      using S = typename decltype(src)::type;
       if (t.replace) return accumulate_typed<D, S, true>(t, begin, end);
       return accumulate_typed<D, S, false>(t, begin, end);
-    };
-    switch (t.dst_dtype) {
-      case DType::kF32: return with_mode(Tag<float>{});
-      case DType::kBF16: return with_mode(Tag<Bf16>{});
-      case DType::kF16: return with_mode(Tag<Half>{});
-    }
-  };
-  switch (t.src_dtype) {
-    case DType::kF32: return with_dst(Tag<float>{});
-    case DType::kBF16: return with_dst(Tag<Bf16>{});
-    case DType::kF16: return with_dst(Tag<Half>{});
-  }
+    });
+  });
 }
 
 extern const IsaKernels kKernels = {
