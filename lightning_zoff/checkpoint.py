@@ -51,11 +51,8 @@ def param_names(module: nn.Module) -> dict[int, list[str]]:
 def param_entries(module: nn.Module, engine: OffloadEngine) -> Iterator[tuple[list[str], ParamEntry]]:
     names = param_names(module)
     for unit in engine.units:
-        updated = {id(s.param) for s in unit.updated_slots}
-        for slot in unit.layout.slots:
+        for slot in unit.layout.slots:  # segments hold only updated slots: any other slot finds none
             segment = next((s for s in unit.segments if s.start <= slot.offset < s.end), None)
-            if id(slot.param) not in updated:
-                segment = None
             all_names = names[id(slot.param)]
             yield all_names, ParamEntry(all_names[0], slot, unit, segment)
 
@@ -180,14 +177,7 @@ def finish_restore(module: nn.Module, engine: OffloadEngine, optimizer: torch.op
     if optimizer is not None and optimizer_state is not None:
         _restore_steps(module, engine, optimizer_state["state"])
         _restore_param_groups(optimizer, optimizer_state["param_groups"])
-    for unit in engine.units:
-        if unit.params_copied is not None:
-            unit.params_copied.synchronize()
-        if unit.param_staging is not unit.master:
-            unit.param_staging.copy_(unit.master)
-        for slot in unit.layout.slots:
-            local = slot.local
-            local.copy_(unit.param_staging[slot.offset : slot.offset + slot.numel].view_as(local))
+    engine.send_masters()
 
 
 def _restore_steps(module: nn.Module, engine: OffloadEngine, state: dict[str, Any]) -> None:

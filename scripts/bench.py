@@ -37,6 +37,8 @@ MODELS = {
     "gpt1b": dict(vocab_size=32000, block_size=1024, n_layer=24, n_head=16, n_embd=2048, bias=False),
     # conf/model/gpt_7b.yaml's 6.7B shape at gpt1b's sequence length
     "gpt7b": dict(vocab_size=32000, block_size=1024, n_layer=32, n_head=32, n_embd=4096, bias=False),
+    # LLaMA-30B's width and depth: 32.5B parameters, for the 8-GPU machine's 560 GB host (check_capacity.py)
+    "gpt30b": dict(vocab_size=32000, block_size=1024, n_layer=60, n_head=52, n_embd=6656, bias=False),
     "tiny": dict(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64, bias=False),  # CPU smoke test
     "small": dict(vocab_size=32000, block_size=512, n_layer=4, n_head=8, n_embd=512, bias=False),
     "qwen3_4b": dict(hf="qwen3_4b", block_size=512),  # Qwen3-4B's shape, 4.02B, tied embeddings
@@ -176,8 +178,7 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
                     torch.cuda.reset_peak_memory_stats()
 
         def on_after_backward(self, trainer, pl_module):
-            if torch.cuda.is_available() and self.opt_start is None:
-                torch.cuda.synchronize()
+            if torch.cuda.is_available() and self.opt_start is None:  # the allocator's count needs no sync
                 self.after_backward.append(torch.cuda.memory_allocated() / 1e9)
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):

@@ -13,7 +13,6 @@ loss fell (the mean of the last quarter of the steps below the mean of the first
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import resource
 import statistics
@@ -23,22 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-MODELS = {
-    # LLaMA-7B's width and depth in the example GPT: 6.71B parameters
-    "gpt7b": dict(vocab_size=32000, block_size=1024, n_layer=32, n_head=32, n_embd=4096, bias=False),
-    # LLaMA-30B's width and depth: 32.5B parameters, for the 8-GPU machine's 560 GB host
-    "gpt30b": dict(vocab_size=32000, block_size=1024, n_layer=60, n_head=52, n_embd=6656, bias=False),
-    "gpt1b": dict(vocab_size=32000, block_size=1024, n_layer=24, n_head=16, n_embd=2048, bias=False),
-    "tiny": dict(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64, bias=False),  # CPU smoke test
-}
+from bench import MODELS as ALL_MODELS, parse_options  # noqa: E402  (this directory is on sys.path)
 
-
-def parse_option(text: str) -> tuple[str, object]:
-    key, _, value = text.partition("=")
-    try:
-        return key, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return key, value  # a bare string such as bf16
+MODELS = {name: shape for name, shape in ALL_MODELS.items() if "hf" not in shape}  # the example GPT's shapes
 
 
 def main() -> None:
@@ -61,7 +47,7 @@ def main() -> None:
     from lightning_zoff.examples.gpt import GPTModule
 
     cfg = MODELS[args.model]
-    options = dict(parse_option(o) for o in args.option)
+    options = parse_options(args.option)
     gpu = torch.cuda.is_available()
 
     class Record(pl.Callback):

@@ -49,7 +49,11 @@ class Finish(pl.Callback):
 
     def setup(self, trainer, pl_module, stage):
         # A forked rank inherits the parent's single thread (see main); Lightning wrote its share of the cores, or
-        # the user's value, into OMP_NUM_THREADS.
+        # the user's value, into OMP_NUM_THREADS. Not where zoff already sized torch's pool next to its kernels'
+        # threads (offload on a GPU machine).
+        strategy = trainer.strategy
+        if isinstance(strategy, ZoffStrategy) and strategy.offload and strategy.root_device.type == "cuda":
+            return
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
 
     def on_train_end(self, trainer, pl_module):

@@ -527,6 +527,16 @@ class OffloadEngine:
             if unit.params_copied is not None:
                 unit.params_copied.synchronize()
 
+    @torch.no_grad()
+    def send_masters(self) -> None:
+        """Make every shard on the accelerator the cast of its master again (after the masters were loaded)."""
+        self.wait_idle()
+        for unit in self.units:
+            if unit.param_staging is not unit.master:
+                unit.param_staging.copy_(unit.master)
+            for slot in unit.layout.slots:
+                slot.local.copy_(unit.param_staging[slot.offset : slot.offset + slot.numel].view_as(slot.local))
+
     def take_traffic(self) -> Traffic:
         traffic, self.traffic = self.traffic, Traffic()
         return traffic
