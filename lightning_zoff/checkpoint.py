@@ -20,8 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_zoff.offload import OffloadEngine
-from lightning_zoff.offload.engine import HostUnit, Segment
-from lightning_zoff.offload.layout import ParamSlot
+from lightning_zoff.offload.engine import HostUnit, TrainedParam
+from lightning_zoff.offload.layout import padded_shard_numel
 from lightning_zoff.sharding import local_chunk
 
 # torch 2.13 renamed all_gather_into_tensor (2.11 has only the old name)
@@ -32,13 +32,20 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 @dataclass(frozen=True)
 class ParamEntry:
     name: str  # the first of its names; tied parameters have several
-    slot: ParamSlot
+    param: nn.Parameter  # the sharded (DTensor) parameter
     unit: HostUnit
-    segment: Segment | None  # None: not in the optimizer, so it has no optimizer state
+    trained: TrainedParam | None  # None: frozen or not in the optimizer, so no host state: its value is on the accelerator
 
     def rows(self, flat: torch.Tensor) -> torch.Tensor:
-        """This rank's unpadded rows of the parameter inside one of the unit's flat host buffers (a view)."""
-        return flat[self.slot.offset : self.slot.offset + self.slot.numel].view(self.slot.local.shape)
+        """This rank's unpadded rows of a trained parameter in one of the unit's host state buffers (a view)."""
+        assert self.trained is not None
+        return self.unit.rows(self.trained, flat).view(self.param.to_local().shape)
+
+    def fp32_rows(self) -> torch.Tensor:
+        """This rank's rows as fp32 on the host: a view of the master when trained, else a copy of the accelerator's."""
+        if self.trained is not None:
+            return self.rows(self.unit.master)
+        return self.param.to_local().detach().to("cpu", torch.float32, copy=True)
 
 
 def param_names(module: nn.Module) -> dict[int, list[str]]:
@@ -51,10 +58,10 @@ def param_names(module: nn.Module) -> dict[int, list[str]]:
 def param_entries(module: nn.Module, engine: OffloadEngine) -> Iterator[tuple[list[str], ParamEntry]]:
     names = param_names(module)
     for unit in engine.units:
-        for slot in unit.layout.slots:  # segments hold only updated slots: any other slot finds none
-            segment = next((s for s in unit.segments if s.start <= slot.offset < s.end), None)
-            all_names = names[id(slot.param)]
-            yield all_names, ParamEntry(all_names[0], slot, unit, segment)
+        trained = {id(t.slot.param): t for t in unit.trained}
+        for param in [*(slot.param for slot in unit.layout.slots), *unit.layout.frozen]:
+            all_names = names[id(param)]
+            yield all_names, ParamEntry(all_names[0], param, unit, trained.get(id(param)))
 
 
 def state_mesh(engine: OffloadEngine) -> DeviceMesh:
@@ -68,11 +75,12 @@ def _sharded(local: torch.Tensor, param: nn.Parameter, mesh: DeviceMesh) -> DTen
 
 
 def sharded_model_state(module: nn.Module, engine: OffloadEngine, mesh: DeviceMesh) -> dict[str, torch.Tensor]:
-    """The module's state dict: each parameter a DTensor viewing this rank's fp32 master rows, buffers as they are.
-    Views, not copies: loading into them restores the master in place."""
+    """The module's state dict: each parameter a DTensor over this rank's fp32 rows, buffers as they are. A trained
+    parameter's rows view its master, so loading into them restores it in place; the others are copies of the
+    accelerator's shard, which `finish_restore` writes back."""
     params: dict[str, torch.Tensor] = {}
     for names, entry in param_entries(module, engine):
-        tensor = _sharded(entry.rows(entry.unit.master), entry.slot.param, mesh)
+        tensor = _sharded(entry.fp32_rows(), entry.param, mesh)
         params.update((name, tensor) for name in names)
     return _with_buffers(module, params)
 
@@ -82,11 +90,11 @@ def sharded_optimizer_state(
 ) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for _, entry in param_entries(module, engine):
-        if entry.segment is None:
+        if entry.trained is None:
             continue
         moments = {key: getattr(entry.unit, key) for key in MOMENTS if getattr(entry.unit, key) is not None}
-        state[entry.name] = {key: _sharded(entry.rows(flat), entry.slot.param, mesh) for key, flat in moments.items()}
-        state[entry.name]["step"] = torch.tensor(entry.segment.step, dtype=torch.int64)
+        state[entry.name] = {key: _sharded(entry.rows(flat), entry.param, mesh) for key, flat in moments.items()}
+        state[entry.name]["step"] = torch.tensor(entry.trained.step, dtype=torch.int64)
     return {"state": state, "param_groups": named_param_groups(module, optimizer)}
 
 
@@ -101,51 +109,41 @@ def _with_buffers(module: nn.Module, params: dict[str, torch.Tensor]) -> dict[st
     return {key: params[key] if key in params else value.detach() for key, value in module.state_dict().items()}
 
 
-def _gather_rows(entry: ParamEntry, gathered: torch.Tensor) -> torch.Tensor:
-    """One parameter's global tensor from the all-gathered flat buffers of its unit (one row of flat per rank)."""
-    shape = entry.slot.param.shape
-    rows = gathered[:, entry.slot.offset : entry.slot.offset + entry.slot.padded_numel].reshape(-1, *shape[1:])
-    return rows[: shape[0]].reshape(shape).clone() if len(shape) else rows.reshape(()).clone()
-
-
-def _gather_flat(flat: torch.Tensor, world_size: int) -> torch.Tensor:
-    flat = flat.cpu()
-    gathered = torch.empty(world_size * flat.numel(), dtype=flat.dtype)
+def _gathered_param(rows: torch.Tensor, param: nn.Parameter, world_size: int) -> torch.Tensor:
+    """A parameter's global tensor from every rank's rows (padded to the same count on every rank, as FSDP2 does)."""
+    padded = padded_shard_numel(param.shape, world_size)
+    local = torch.zeros(padded, dtype=rows.dtype)
+    local[: rows.numel()] = rows.reshape(-1)
+    gathered = torch.empty(world_size * padded, dtype=rows.dtype)
     if world_size > 1:
-        _all_gather_flat(gathered, flat)
+        _all_gather_flat(gathered, local)
     else:
-        gathered.copy_(flat)
-    return gathered.view(world_size, -1)
+        gathered.copy_(local)
+    shape = param.shape
+    whole = gathered.view(world_size, padded).reshape(-1, *shape[1:])
+    return whole[: shape[0]].reshape(shape).clone() if len(shape) else whole.reshape(()).clone()
 
 
 def full_state_dict(module: nn.Module, engine: OffloadEngine) -> dict[str, torch.Tensor]:
-    """The module's state dict with every parameter as its full fp32 master on the CPU. A collective: every rank
-    calls it and gets the whole dict."""
-    return _with_buffers(module, _gathered(module, engine, "master", with_optimizer_only=False))
+    """The module's state dict with every parameter whole in fp32 on the CPU (the master where trained). A
+    collective: every rank calls it and gets the whole dict."""
+    params: dict[str, torch.Tensor] = {}
+    for names, entry in param_entries(module, engine):
+        tensor = _gathered_param(entry.fp32_rows(), entry.param, engine.world_size)
+        params.update((name, tensor) for name in names)
+    return _with_buffers(module, params)
 
 
 def full_optimizer_state(module: nn.Module, engine: OffloadEngine, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer state with whole (gathered) moments, by parameter name. A collective."""
-    moments = {key: _gathered(module, engine, key, with_optimizer_only=True) for key in MOMENTS
-               if all(getattr(u, key) is not None for u in engine.units)}
     state = {}
     for _, entry in param_entries(module, engine):
-        if entry.segment is not None:
-            state[entry.name] = {key: tensors[entry.name] for key, tensors in moments.items()}
-            state[entry.name]["step"] = torch.tensor(entry.segment.step, dtype=torch.int64)
+        if entry.trained is None:
+            continue
+        state[entry.name] = {key: _gathered_param(entry.rows(getattr(entry.unit, key)), entry.param, engine.world_size)
+                             for key in MOMENTS if getattr(entry.unit, key) is not None}
+        state[entry.name]["step"] = torch.tensor(entry.trained.step, dtype=torch.int64)
     return {"state": state, "param_groups": named_param_groups(module, optimizer)}
-
-
-def _gathered(module: nn.Module, engine: OffloadEngine, key: str, with_optimizer_only: bool) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    entries = list(param_entries(module, engine))
-    for unit in engine.units:
-        gathered = _gather_flat(getattr(unit, key), engine.world_size)
-        for names, entry in entries:
-            if entry.unit is unit and not (with_optimizer_only and entry.segment is None):
-                tensor = _gather_rows(entry, gathered)
-                out.update((name, tensor) for name in names)
-    return out
 
 
 def unmatched_keys(module: nn.Module, targets: dict[str, Any], full: dict[str, Any]) -> tuple[list[str], list[str]]:
@@ -170,27 +168,26 @@ def fill_from_full(targets: dict[str, Any], full: dict[str, Any], world_size: in
 
 
 @torch.no_grad()
-def finish_restore(module: nn.Module, engine: OffloadEngine, optimizer: torch.optim.Optimizer | None,
-                   optimizer_state: dict[str, Any] | None) -> None:
-    """After the masters (and moments) were written in place: restore step counts and param-group settings, then
-    refresh the 16-bit copies so the model's parameters equal the cast of the restored master."""
+def finish_restore(module: nn.Module, engine: OffloadEngine, weights: dict[str, torch.Tensor],
+                   optimizer: torch.optim.Optimizer | None, optimizer_state: dict[str, Any] | None) -> None:
+    """After `weights` (from `sharded_model_state`) and the moments were loaded: restore step counts and param-group
+    settings, then make the model's parameters the restored values: the cast of the master where trained, the
+    loaded rows themselves elsewhere."""
     if optimizer is not None and optimizer_state is not None:
         _restore_steps(module, engine, optimizer_state["state"])
         _restore_param_groups(optimizer, optimizer_state["param_groups"])
     engine.send_masters()
+    for _, entry in param_entries(module, engine):
+        if entry.trained is None:
+            loaded = weights[entry.name]
+            local = entry.param.to_local()
+            local.copy_(loaded.to_local() if isinstance(loaded, DTensor) else loaded)
 
 
 def _restore_steps(module: nn.Module, engine: OffloadEngine, state: dict[str, Any]) -> None:
-    steps: dict[int, set[int]] = {}
     for _, entry in param_entries(module, engine):
-        if entry.segment is not None:
-            steps.setdefault(id(entry.segment), set()).add(int(state[entry.name]["step"]))
-    for unit in engine.units:
-        for seg in unit.segments:
-            found = steps.get(id(seg), set())
-            if len(found) != 1:
-                raise ValueError(f"parameters updated together hold different step counts {sorted(found)}")
-            seg.step = found.pop()
+        if entry.trained is not None:
+            entry.trained.step = int(state[entry.name]["step"])
 
 
 def _restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]]) -> None:
@@ -199,7 +196,6 @@ def _restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str
                          f" returned {len(optimizer.param_groups)}")
     for group, saved_group in zip(optimizer.param_groups, saved):
         group.update({k: v for k, v in saved_group.items() if k != "params"})
-
 
 
 def weight_targets(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -477,7 +477,7 @@ class ZoffStrategy(ParallelStrategy):
             optimizer_state["param_groups"] = checkpoint["optimizer_states"][0]["param_groups"]
             targets["optimizer_0"] = optimizer_state["state"]
         self._read_tensors(path, checkpoint, targets)
-        finish_restore(module, self.engine, optimizer, optimizer_state)
+        finish_restore(module, self.engine, targets["state_dict"], optimizer, optimizer_state)
         return checkpoint
 
     def _read_tensors(self, path: Path, checkpoint: dict[str, Any], targets: dict[str, Any]) -> None:
@@ -520,7 +520,7 @@ class ZoffStrategy(ParallelStrategy):
                            f" ({len(missing)} and {len(unexpected)}); pass strict=False to load the keys that match.")
         fill_from_full({k: v for k, v in targets.items() if k in state_dict}, state_dict, self.world_size,
                        self.global_rank)
-        finish_restore(module, self.engine, None, None)
+        finish_restore(module, self.engine, targets, None, None)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The LightningModule's state dict with fp32 master weights, on every rank (a collective)."""

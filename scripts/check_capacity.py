@@ -2,6 +2,7 @@
 
     python scripts/check_capacity.py --model gpt7b --steps 20 --option optimizer_state_dtype=bf16 \
         --option overlap=False --out capacity.json
+    python scripts/check_capacity.py --model gpt7b --train-last 2 --steps 10   # fine-tune the last 2 blocks only
 
 One process per device (`--devices`, ranks of one node; the CPU with gloo where there is no accelerator). The model is built under `trainer.init_module(empty_init=True)`, so no
 process ever holds it whole; zoff materialises one unit at a time. Prints per-step loss and time, then peak GPU
@@ -36,6 +37,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--precision", default=None, help="default: bf16-mixed on GPU, 32-true on CPU")
     parser.add_argument("--option", action="append", default=[], help="ZoffStrategy option key=value (repeatable)")
+    parser.add_argument("--train-last", type=int, default=None,
+                        help="freeze all but the last N blocks and the head (a fine-tune: host state for those only)")
     parser.add_argument("--out", type=Path, default=Path("capacity.json"))
     args = parser.parse_args()
 
@@ -71,9 +74,16 @@ def main() -> None:
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
     with trainer.init_module(empty_init=True):
         module = GPTModule(**cfg, lr=args.lr)
+    if args.train_last is not None:
+        first_trained = cfg["n_layer"] - args.train_last
+        for name, p in module.named_parameters():
+            block = name.split(".")[2] if name.startswith("model.blocks.") else None
+            p.requires_grad_(name.startswith(("model.ln_f.", "model.lm_head.")) or (block is not None and int(block) >= first_trained))
     params = sum(p.numel() for p in module.parameters())
+    trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
     if trainer.global_rank == 0:
-        print(f"{args.model}: {params / 1e9:.2f}B parameters, zoff options {options}", flush=True)
+        print(f"{args.model}: {params / 1e9:.2f}B parameters ({trained / 1e9:.2f}B trained), zoff options {options}",
+              flush=True)
     data = CorpusDataModule(block_size=cfg["block_size"], batch_size=args.batch, max_bytes=4_000_000)
     started = time.perf_counter()
     trainer.fit(module, datamodule=data)
@@ -83,12 +93,14 @@ def main() -> None:
     first, last = statistics.mean(losses[:quarter]), statistics.mean(losses[-quarter:])
     report = trainer.strategy.memory_report
     result = {
-        "model": args.model, "params": params, "options": options, "steps": len(losses), "losses": losses,
+        "model": args.model, "params": params, "trained_params": trained, "train_last": args.train_last,
+        "options": options, "steps": len(losses), "losses": losses,
         "step_s": times, "step_s_median": statistics.median(times[2:] or times),
         "fit_s": time.perf_counter() - started,
         "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if gpu else 0.0,
         "peak_host_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
-        "host_bytes_per_param": report.get("host_bytes_per_param"), "memory": report,
+        "host_bytes_per_param": report.get("host_bytes_per_param"),
+        "host_bytes_per_trained_param": report.get("host_bytes_per_trained_param"), "memory": report,
         "loss_first_quarter": first, "loss_last_quarter": last, "loss_fell": last < first,
         "device": torch.cuda.get_device_name() if gpu else "cpu", "devices": args.devices,
     }
@@ -97,7 +109,8 @@ def main() -> None:
     args.out.write_text(json.dumps(result, indent=1))
     print(f"{args.model} {params / 1e9:.2f}B: {len(losses)} steps, loss {first:.3f} -> {last:.3f}, median step"
           f" {result['step_s_median']:.3f} s, peak GPU {result['peak_gpu_gb']:.1f} GB, peak host RSS"
-          f" {result['peak_host_rss_gb']:.1f} GB, zoff host {result['host_bytes_per_param']} B/param; wrote {args.out}")
+          f" {result['peak_host_rss_gb']:.1f} GB, zoff host {result['host_bytes_per_param']:.2f} B/param,"
+          f" {result['host_bytes_per_trained_param']:.2f} B per trained param; wrote {args.out}")
     sys.exit(0 if result["loss_fell"] else 1)
 
 

@@ -116,6 +116,21 @@ def test_a_7b_model_on_128_gb_is_told_what_fits(monkeypatch):
     check_host_budget(7 * 10**9, 1, param_bytes=2, second_moment=True, overlap=False, accum_bytes=4, moment_bytes=2)
 
 
+def test_a_fine_tune_is_charged_for_its_trained_elements_only(monkeypatch):
+    from lightning_zoff.offload.budget import check_host_budget
+
+    # 7B elements, the last blocks' 0.4B trained: 26 B for each trained one (master, moments and their spare, staging
+    # out) and 2 B of gradient staging for each reduced one; the frozen rest costs nothing on the host
+    monkeypatch.setenv("ZOFF_HOST_MEMORY_BYTES", str(5 * 10**9))
+    with pytest.raises(MemoryError, match=r"needs 11\.2 GB .* x 400,000,000 trained elements \(6,600,000,000 more are"
+                                          r" frozen or outside the optimizer and keep no host state\) x 28 B\)"):
+        check_host_budget(4 * 10**8, 1, param_bytes=2, second_moment=True, overlap=True, accum_bytes=0, moment_bytes=4,
+                          untrained=66 * 10**8)
+    monkeypatch.setenv("ZOFF_HOST_MEMORY_BYTES", str(8 * 10**9))
+    check_host_budget(4 * 10**8, 1, param_bytes=2, second_moment=True, overlap=False, accum_bytes=0, moment_bytes=4,
+                      untrained=66 * 10**8)
+
+
 def test_bf16_moments_with_a_beta_that_cannot_decay_warn():
     from lightning_zoff.offload.engine import _warn_if_bf16_moments_cannot_decay
     from lightning_zoff.optim import UpdateRule

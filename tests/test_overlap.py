@@ -46,7 +46,7 @@ class Record(pl.Callback):
                  for k, t in (("master", u.master), ("m", u.exp_avg), ("v", u.exp_avg_sq))}
         state |= {n: p.to_local().detach().clone() for n, p in pl_module.named_parameters()}
         torch.save({"losses": pl_module.losses, "outcomes": self.outcomes, "state": state,
-                    "steps": [s.step for u in engine.units for s in u.segments],
+                    "steps": [p.step for u in engine.units for p in u.trained],
                     "speculations": dict(engine.speculations), "scale": trainer.precision_plugin.loss_scale},
                    self.out / f"rank{trainer.global_rank}.pt")
 

@@ -39,7 +39,7 @@ class StateWatch(pl.Callback):
         engine.wait_idle()  # overlapped updates finish in the background
         tensors = [t.clone() for u in engine.units for t in (u.master, u.exp_avg, u.exp_avg_sq)]
         tensors += [p.to_local().detach().clone() for p in trainer.lightning_module.parameters()]
-        steps = [seg.step for u in engine.units for seg in u.segments]
+        steps = [p.step for u in engine.units for p in u.trained]
         return tensors, steps, [g["lr"] for g in trainer.optimizers[0].param_groups]
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):

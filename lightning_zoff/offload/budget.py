@@ -29,23 +29,36 @@ def _meminfo_bytes(field: str) -> int | None:
     return None
 
 
+def host_bytes(trained: int, reduced: int, *, param_bytes: int, second_moment: bool, overlap: bool, accum_bytes: int,
+               moment_bytes: int) -> int:
+    """Host bytes of a rank whose optimizer trains `trained` elements of a flat shard in which FSDP2 reduces `reduced`
+    (parameters that require a gradient; `trained` <= `reduced`: those outside the optimizer get no state). Frozen
+    parameters cost nothing on the host."""
+    per_trained = host_bytes_per_element(param_bytes=param_bytes, second_moment=second_moment, overlap=overlap,
+                                         accum_bytes=0, moment_bytes=moment_bytes) - param_bytes
+    return trained * per_trained + reduced * (accum_bytes + param_bytes)
+
+
 def check_host_budget(elements: int, ranks_on_node: int, *, param_bytes: int, second_moment: bool, overlap: bool,
-                      accum_bytes: int, moment_bytes: int) -> None:
+                      accum_bytes: int, moment_bytes: int, reduced: int | None = None, untrained: int = 0) -> None:
     """Refuse a model whose host state cannot fit in this machine's memory, naming the bytes and what would fit;
-    warn when it exceeds what is free now. ZOFF_HOST_MEMORY_BYTES overrides the machine's total (tests, shared
-    hosts)."""
+    warn when it exceeds what is free now. `elements`: of this rank's shard that the optimizer trains; `reduced`: of
+    its reduced gradient (default `elements`); `untrained`: elements that keep no host state (frozen, or outside the
+    optimizer), for the message. ZOFF_HOST_MEMORY_BYTES overrides the machine's total (tests, shared hosts)."""
     options = dict(param_bytes=param_bytes, second_moment=second_moment, overlap=overlap, accum_bytes=accum_bytes,
                    moment_bytes=moment_bytes)
+    reduced = elements if reduced is None else reduced
 
     def needs(**change: object) -> int:  # bytes on this node, with some options changed
-        return elements * ranks_on_node * host_bytes_per_element(**{**options, **change})
+        return ranks_on_node * host_bytes(elements, reduced, **{**options, **change})  # type: ignore[arg-type]
 
-    per_element = host_bytes_per_element(**options)
     needed = needs()
     total = int(os.environ.get("ZOFF_HOST_MEMORY_BYTES", 0)) or _meminfo_bytes("MemTotal")
     if total is None:
         return
     gb = 1e9
+    trained = (f"{elements:,} trained elements ({untrained:,} more are frozen or outside the optimizer and keep no"
+               " host state)" if untrained else f"{elements:,} elements")
     if needed > total:
         smaller, together = [], {}
         if overlap:
@@ -62,8 +75,8 @@ def check_host_budget(elements: int, ranks_on_node: int, *, param_bytes: int, se
         smaller.append("more nodes (the host state splits across all ranks)")
         raise MemoryError(
             f"zoff: the optimizer state needs {needed / gb:.1f} GB of host memory on this node ({ranks_on_node} rank(s)"
-            f" x {elements:,} elements x {per_element} B) but the machine has {total / gb:.1f} GB. Options: "
-            + "; ".join(smaller) + "."
+            f" x {trained} x {needed / ranks_on_node / max(elements, 1):.3g} B) but the machine has"
+            f" {total / gb:.1f} GB. Options: " + "; ".join(smaller) + "."
         )
     available = _meminfo_bytes("MemAvailable")
     if available is not None and needed > available:

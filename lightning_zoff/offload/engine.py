@@ -1,7 +1,9 @@
 """The data path of a gradient, per rank: from FSDP2's reduce-scatter to the updated 16-bit parameter shard.
 
 1. Backward. FSDP2 reduce-scatters each unit's gradients into one flat shard as a plain sum over ranks (divide
-   factor 1: the 1/world is folded into the step's scale) and calls `_on_unit_reduced` on the copy stream. We copy
+   factor 1: the 1/world is folded into the step's scale) and calls `_on_unit_reduced` on the copy stream. Just
+   before, `_compat.before_reduce` notes which of the unit's parameters got a gradient in this backward and gives
+   the others a zero one, so every rank reduces the same tensors (`_on_grads_noted`). We copy
    the shard, still in the parameter dtype (2 B/param in 16-bit modes), into the unit's pinned `grad_staging`
    without blocking, record an event and hand the unit to the host worker (`_land`). With
    `accumulate_on_accelerator`, the hook instead adds each shard into an fp32 buffer on the accelerator and the
@@ -12,16 +14,19 @@
    kernel reads directly: promoting 16 to 32 bits is exact, so both give the same bits; with
    `accumulate_grad_batches=1` no `grad_sum` is allocated at all). At the window's end, take
    the unit's sum of squares and, with `overlap`, queue a speculative update (`_speculate`): the fused kernel
-   runs on the unit as if the step were neither clipped nor skipped, writing the new master and moments into the
-   unit's `spare` buffers and the 16-bit copy into `param_staging`. The committed state is never written.
-   The master is fp32; the moments fp32 or bf16 (`moment_dtype`: the kernel computes in fp32 and stores them rounded).
+   runs on the unit as if the step were neither clipped nor skipped and every parameter had a gradient, writing
+   the new master and moments into the unit's `spare` buffers and the 16-bit copy into `param_staging`. The
+   committed state is never written. Host state exists only for the parameters the optimizer trains (`trained`):
+   fp32 master and moments fp32 or bf16 (`moment_dtype`: the kernel computes in fp32 and stores them rounded).
 3. Decision (`step`, after backward). The global norm of the averaged gradient (the units' sums of squares in unit
-   order, all-reduced) decides: skip when it is not finite, else one combined scale 1/world x clip factor.
+   order, all-reduced with every parameter's used-in-the-window flag) decides: skip when it is not finite, else
+   one combined scale 1/world x clip factor. A parameter no rank gave a gradient in the window is not updated at
+   all (as torch skips `.grad is None`): no moment decay, no weight decay, its step count unchanged.
 4. Finalize (`_finalize`, per unit, in the order the next forward needs them). Skip: drop the speculation.
-   Otherwise, when the speculation was computed with this very scale and these hyperparameters it is the result;
-   else the kernel runs again from the untouched state. Commit by swapping `spare` with the state, then copy
-   the 16-bit shard host-to-device on a side stream into FSDP2's sharded parameters. The unit's next forward
-   waits for exactly that copy (`_gate`), nothing else does.
+   Otherwise, when the speculation was computed with this very scale, hyperparameters, steps and parameters it is
+   the result; else the kernel runs again from the untouched state. Commit by swapping `spare` with the state, then
+   copy the updated 16-bit shards host-to-device on a side stream into FSDP2's sharded parameters. The unit's next
+   forward waits for exactly that copy (`_gate`), nothing else does.
 Without `overlap` the same functions run inline: landing right after backward, the update in place at the step.
 The kernels, their inputs and the order of every sum are the same, so both paths give the same bits.
 """
@@ -41,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zoff import ops
+from lightning_zoff._compat import all_gather_streams, before_reduce
 from lightning_zoff.offload.budget import check_host_budget
 from lightning_zoff.offload.buffers import host_empty
 from lightning_zoff.offload.layout import ParamSlot, UnitLayout, unit_layout
@@ -55,13 +61,44 @@ _SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass
-class Segment:
-    """A contiguous run of one unit's flat shard whose parameters share a param group."""
+class TrainedParam:
+    """A parameter the optimizer trains: its place in the unit's flat gradient and in the unit's host state."""
 
+    slot: ParamSlot
+    slot_index: int  # in the unit's layout.slots (and in its used-flags)
+    state_offset: int  # start of its padded rows in the unit's master and moments
     group_index: int
-    start: int
-    end: int
-    step: int = 0  # optimizer steps taken (torch keeps this per parameter; a segment steps as one)
+    step: int = 0  # optimizer steps it took (as torch counts: the steps in which it had a gradient)
+
+
+@dataclass(frozen=True)
+class Run:
+    """Trained parameters that one kernel call updates: adjacent in the flat gradient and in the state, of one param
+    group, at one step count."""
+
+    grad_start: int
+    state_start: int
+    numel: int
+    group_index: int
+    step: int  # the step this update makes (1-based)
+
+
+def kernel_runs(trained: list[TrainedParam], used: list[bool]) -> tuple[Run, ...]:
+    """The fewest kernel calls that update exactly the trained parameters flagged in `used`."""
+    runs: list[Run] = []
+    for param, is_used in zip(trained, used):
+        if not is_used:
+            continue
+        last = runs[-1] if runs else None
+        if (last is not None and last.grad_start + last.numel == param.slot.offset
+                and last.state_start + last.numel == param.state_offset
+                and (last.group_index, last.step) == (param.group_index, param.step + 1)):
+            runs[-1] = Run(last.grad_start, last.state_start, last.numel + param.slot.padded_numel, last.group_index,
+                           last.step)
+        else:
+            runs.append(Run(param.slot.offset, param.state_offset, param.slot.padded_numel, param.group_index,
+                            param.step + 1))
+    return tuple(runs)
 
 
 @dataclass(frozen=True)
@@ -69,25 +106,25 @@ class UpdateKey:
     """What an update's result depends on besides the state and the gradient."""
 
     scale: float
-    hyper: tuple[GroupHyperparams, ...]
-    steps: tuple[int, ...]
+    runs: tuple[Run, ...]
+    hyper: tuple[GroupHyperparams, ...]  # of each run
 
 
 @dataclass(eq=False)  # compared by identity
 class HostUnit:
     layout: UnitLayout
-    segments: list[Segment]
-    gaps: list[tuple[int, int]]  # runs of the shard no segment covers (params outside the optimizer)
-    updated_slots: list[ParamSlot]  # the slots in some segment: only they change and go back to the accelerator
-    master: torch.Tensor  # fp32
+    trained: list[TrainedParam]  # in flat order; the parameters outside the optimizer have no host state
+    grad_spans: list[tuple[int, int]]  # runs of the flat gradient the trained parameters cover (their norm)
+    master: torch.Tensor  # fp32, the trained parameters' padded rows back to back
     exp_avg: torch.Tensor  # the engine's moment_dtype: fp32 or bf16
     exp_avg_sq: torch.Tensor | None  # as exp_avg; Lion has no second moment
     spare: tuple[torch.Tensor, ...] | None  # overlap: buffers the next (master, exp_avg[, exp_avg_sq]) goes into
     # sum of this window's micro-batch gradients (a sum over ranks too); fp32 by default; None until a window of
     # several micro-batches needs it
     grad_sum: torch.Tensor | None
-    grad_staging: torch.Tensor  # param dtype, pinned: lands the reduced shard
-    param_staging: torch.Tensor  # param dtype, pinned: leaves for the accelerator (the master itself in fp32)
+    grad_staging: torch.Tensor  # param dtype, pinned: lands the reduced shard (layout.flat_numel)
+    param_staging: torch.Tensor  # param dtype, pinned, laid out as master: leaves for the accelerator (fp32: master)
+    used: list[bool]  # per slot: it got a gradient on this rank in this window
     grad_copied: torch.cuda.Event | None = None
     params_copied: torch.cuda.Event | None = None
     staging_free: threading.Event = field(default_factory=threading.Event)  # grad_staging may be overwritten
@@ -98,6 +135,10 @@ class HostUnit:
     speculation: UpdateKey | None = None  # what the state in `spare` was computed with
     device_sum: torch.Tensor | None = None  # the window's sum on the accelerator (accumulate_on_accelerator)
     host_tensors: list[torch.Tensor] = field(default_factory=list)
+
+    def rows(self, param: TrainedParam, flat: torch.Tensor) -> torch.Tensor:
+        """The parameter's unpadded rows in one of the unit's state-laid buffers (master, moments, param_staging)."""
+        return flat[param.state_offset : param.state_offset + param.slot.numel]
 
 
 class Traffic:
@@ -127,6 +168,7 @@ class Decision:
     skipped: bool
     scale: float
     hyper: tuple[GroupHyperparams, ...]
+    used: dict[HostUnit, list[bool]]  # per trained parameter of each unit: some rank gave it a gradient
 
 
 def _record_event(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
@@ -180,29 +222,33 @@ class OffloadEngine:
         group_of = {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
         self.units: list[HostUnit] = []
         self._modules: list[nn.Module] = []
-        covered: set[int] = set()
         layouts = [(unit_layout(name, module, world_size), module) for name, module in units]
-        layouts = [(layout, module) for layout, module in layouts if layout.slots]
-        if state_device.type == "cpu" and layouts:
-            check_host_budget(
-                sum(layout.flat_numel for layout, _ in layouts), ranks_on_node,
-                param_bytes=layouts[0][0].slots[0].local.element_size(), second_moment=self.rule is not UpdateRule.LION,
-                overlap=self.overlap, accum_bytes=self.grad_sum_dtype.itemsize if self.sums_windows else 0,
-                moment_bytes=moment_dtype.itemsize,
-            )
-        if moment_dtype == torch.bfloat16:
-            _warn_if_bf16_moments_cannot_decay(self.rule, optimizer)
-        for layout, module in layouts:
-            covered.update(id(s.param) for s in layout.slots)
-            self.units.append(self._host_unit(layout, masters, group_of, pin_memory))
-            self._modules.append(module)
+        layouts = [(layout, module) for layout, module in layouts if layout.slots or layout.frozen]
+        covered = {id(p) for layout, _ in layouts for p in [*(s.param for s in layout.slots), *layout.frozen]}
         missing = set(group_of) - covered
         if missing:
             raise ValueError(
                 f"{len(missing)} parameter(s) of the optimizer are not parameters of the sharded model; zoff can"
                 " only optimize the LightningModule's own parameters, passed after sharding (configure_optimizers)."
             )
-        self.param_device = self.units[0].layout.slots[0].local.device if self.units else state_device
+        some_param = next((p for layout, _ in layouts for p in [*(s.param for s in layout.slots), *layout.frozen]), None)
+        self.param_device = some_param.device if some_param is not None else state_device
+        trained = sum(s.padded_numel for layout, _ in layouts for s in layout.slots if id(s.param) in group_of)
+        reduced = sum(layout.flat_numel for layout, _ in layouts)
+        if state_device.type == "cpu" and trained:
+            untrained = sum(p.to_local().numel() for layout, _ in layouts
+                            for p in [*(s.param for s in layout.slots if id(s.param) not in group_of), *layout.frozen])
+            check_host_budget(
+                trained, ranks_on_node, reduced=reduced, untrained=untrained,
+                param_bytes=some_param.element_size(), second_moment=self.rule is not UpdateRule.LION,
+                overlap=self.overlap, accum_bytes=self.grad_sum_dtype.itemsize if self.sums_windows else 0,
+                moment_bytes=moment_dtype.itemsize,
+            )
+        if moment_dtype == torch.bfloat16:
+            _warn_if_bf16_moments_cannot_decay(self.rule, optimizer)
+        for layout, module in layouts:
+            self.units.append(self._host_unit(layout, masters, group_of, pin_memory))
+            self._modules.append(module)
         on_cuda = self.param_device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.param_device) if on_cuda else None  # D2H, FSDP2's hook runs here
         self.h2d_stream = torch.cuda.Stream(self.param_device) if on_cuda else None
@@ -221,40 +267,45 @@ class OffloadEngine:
     def _host_unit(
         self, layout: UnitLayout, masters: dict[int, torch.Tensor], group_of: dict[int, int], pin: bool
     ) -> HostUnit:
-        n, dev = layout.flat_numel, self.state_device
-        param_dtype = layout.slots[0].local.dtype
-        moments = 1 if self.rule is UpdateRule.LION else 2
-        state = [torch.zeros(n, dtype=dtype, device=dev) for dtype in [torch.float32] + [self.moment_dtype] * moments]
-        for slot in layout.slots:  # consumed: the model's fp32 copies are freed as the host state fills
-            state[0][slot.offset : slot.offset + slot.numel].copy_(masters.pop(id(slot.param)).reshape(-1))
-        # the spare starts as a copy, so the runs no update writes (gaps, padding) agree in both
-        spare = tuple(t.clone() for t in state) if self.overlap else None
-        grad_sum = self._new_grad_sum(n) if self.sums_windows else None
-        segments: list[Segment] = []
-        updated_slots = []
-        for slot in layout.slots:
+        """Host state for the unit's trained parameters only: frozen ones and those outside the optimizer are never
+        updated, so their value lives on the accelerator alone (the fp32 copies `shard_model` cut are dropped)."""
+        dev = self.state_device
+        trained, state_numel = [], 0
+        for index, slot in enumerate(layout.slots):
             group = group_of.get(id(slot.param))
-            if group is None:
-                continue  # not in the optimizer: never updated, as with torch
-            updated_slots.append(slot)
-            end = slot.offset + slot.padded_numel
-            if segments and segments[-1].group_index == group and segments[-1].end == slot.offset:
-                segments[-1].end = end
+            if group is not None:
+                trained.append(TrainedParam(slot, index, state_numel, group))
+                state_numel += slot.padded_numel
+        moments = 1 if self.rule is UpdateRule.LION else 2
+        state = [torch.zeros(state_numel, dtype=dtype, device=dev)
+                 for dtype in [torch.float32] + [self.moment_dtype] * moments]
+        for param in trained:  # consumed: the model's fp32 copies are freed as the host state fills
+            param_rows = state[0][param.state_offset : param.state_offset + param.slot.numel]
+            param_rows.copy_(masters.pop(id(param.slot.param)).reshape(-1))
+        for p in [*(s.param for s in layout.slots), *layout.frozen]:
+            masters.pop(id(p), None)
+        # the spare starts as a copy, so the rows no update writes (padding) agree in both
+        spare = tuple(t.clone() for t in state) if self.overlap else None
+        n = layout.flat_numel
+        grad_sum = self._new_grad_sum(n) if self.sums_windows else None
+        spans: list[tuple[int, int]] = []
+        for param in trained:
+            start, end = param.slot.offset, param.slot.offset + param.slot.padded_numel
+            if spans and spans[-1][1] == start:
+                spans[-1] = (spans[-1][0], end)
             else:
-                segments.append(Segment(group, slot.offset, end))
-        starts = [0] + [s.end for s in segments]
-        ends = [s.start for s in segments] + [n]
-        gaps = [(s, e) for s, e in zip(starts, ends) if s < e]
+                spans.append((start, end))
+        param_dtype = (layout.slots[0].param if layout.slots else layout.frozen[0]).dtype
         grad_staging = host_empty(n, param_dtype, dev, pin)
         if param_dtype == torch.float32:
             param_staging = state[0]  # fp32 shards (32-true) go back straight from the master
         else:
-            param_staging = host_empty(n, param_dtype, dev, pin)
+            param_staging = host_empty(state_numel, param_dtype, dev, pin)
             param_staging.copy_(state[0])
         tensors = [*state, *(spare or ()), *(() if grad_sum is None else (grad_sum,)), grad_staging]
         tensors += [] if param_staging is state[0] else [param_staging]
-        unit = HostUnit(layout, segments, gaps, updated_slots, state[0], state[1], state[2] if len(state) == 3 else None,
-                        spare, grad_sum, grad_staging, param_staging, host_tensors=tensors)
+        unit = HostUnit(layout, trained, spans, state[0], state[1], state[2] if len(state) == 3 else None, spare,
+                        grad_sum, grad_staging, param_staging, [False] * len(layout.slots), host_tensors=tensors)
         unit.staging_free.set()
         return unit
 
@@ -275,8 +326,12 @@ class OffloadEngine:
 
     def attach(self) -> None:
         """Register the reduce hook on every unit (FSDP2 then sums, not averages, gradients over ranks) and the gate
-        that holds each unit's forward until its update is on the accelerator."""
+        that holds each unit's forward until its update is on the accelerator. Units without a parameter that
+        requires a gradient need neither."""
         for unit, module in zip(self.units, self._modules):
+            if not unit.layout.slots:
+                continue
+            before_reduce(module, lambda used, unit=unit: self._on_grads_noted(unit, used))
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # gloo has no AVG; the 1/world goes into the step
             module.set_all_reduce_hook(lambda flat, unit=unit: self._on_unit_reduced(unit, flat), stream=self.copy_stream)
@@ -288,6 +343,16 @@ class OffloadEngine:
         self.window_ends = window_ends
         self.loss_scale = loss_scale
         self._landed_order = []
+
+    @staticmethod
+    def _on_grads_noted(unit: HostUnit, used: list[bool]) -> None:
+        # FSDP2 is about to reduce the unit: which of its parameters got a gradient on this rank (the others get zeros)
+        if len(used) != len(unit.used):
+            raise RuntimeError(
+                f"zoff: unit {unit.layout.name!r} has {len(used)} parameters that require a gradient, {len(unit.used)}"
+                " when fit started. Set requires_grad before trainer.fit; zoff fixes what it trains for each fit."
+            )
+        unit.used = [a or b for a, b in zip(unit.used, used)]
 
     def _on_unit_reduced(self, unit: HostUnit, flat_grad: torch.Tensor) -> None:
         # Runs inside FSDP2's backward, on the copy stream; FSDP2's later use of `flat_grad` is on this stream too.
@@ -388,10 +453,15 @@ class OffloadEngine:
         return unit.grad_sum
 
     def _unit_sumsq(self, unit: HostUnit) -> float:
+        """Of the trained parameters' gradient only: clipping, like Lightning's, takes the optimizer's parameters."""
         grad = self._window_grad(unit)
-        if grad.device.type == "cpu":
-            return ops.grad_sumsq_finite(grad, threads=self.threads)[0]
-        return torch.linalg.vector_norm(grad, dtype=torch.float32).double().item() ** 2
+        total = 0.0
+        for start, end in unit.grad_spans:
+            if grad.device.type == "cpu":
+                total += ops.grad_sumsq_finite(grad[start:end], threads=self.threads)[0]
+            else:
+                total += torch.linalg.vector_norm(grad[start:end], dtype=torch.float32).double().item() ** 2
+        return total
 
     # -- step -----------------------------------------------------------------------------------------------
 
@@ -411,19 +481,27 @@ class OffloadEngine:
             if unit.sumsq is None:  # a unit whose gradient came only in earlier micro-batches
                 unit.sumsq = self._unit_sumsq(unit)
             sq += unit.sumsq
+        # with the sum of squares, every trained parameter's "got a gradient here" flag: summed, "on some rank"
+        flags = [float(unit.used[p.slot_index]) for unit in units for p in unit.trained]
+        reduced = torch.tensor([sq.item(), *flags], dtype=torch.float64)
         if dist.is_initialized() and self.world_size > 1:
-            dist.all_reduce(sq)  # a CPU tensor: gloo, also under "cpu:gloo,cuda:nccl"
-        norm = math.sqrt(sq.item()) / (self.world_size * loss_scale)
+            dist.all_reduce(reduced)  # a CPU tensor: gloo, also under "cpu:gloo,cuda:nccl"
+        global_flags = iter((reduced[1:] > 0).tolist())
+        used = {unit: [next(global_flags) for _ in unit.trained] for unit in units}
+        for unit in units:
+            unit.used = [False] * len(unit.used)
+        norm = math.sqrt(reduced[0].item()) / (self.world_size * loss_scale)
         skipped = not math.isfinite(norm)  # inf or NaN anywhere (fp16 overflow included): change nothing
         clip_coef = 1.0
         if not skipped and max_norm is not None and max_norm > 0:
             clip_coef = min(1.0, max_norm / (norm + 1e-6))
         decision = Decision(skipped, clip_coef / (self.world_size * loss_scale),
-                            tuple(GroupHyperparams.of(g) for g in optimizer.param_groups))
+                            tuple(GroupHyperparams.of(g) for g in optimizer.param_groups), used)
         self._window += 1  # speculations of this window are now stale
         order = self._landed_order[::-1] + [u for u in units if u not in self._landed_order]
         if not skipped:  # counted here, so each step reports its own copies even when they end during the next
-            self.traffic.add(h2d_bytes=sum(slot.local.nbytes for unit in units for slot in unit.updated_slots))
+            self.traffic.add(h2d_bytes=sum(p.slot.local.nbytes for unit in units
+                                           for p, is_used in zip(unit.trained, used[unit]) if is_used))
         for unit in order:  # the next forward needs them about in the reverse of backward's order
             if unit.has_grad:
                 unit.in_flight = True
@@ -433,59 +511,66 @@ class OffloadEngine:
                     self._finalize(unit, decision)
         return StepOutcome(norm, clip_coef, skipped)
 
-    def _key(self, unit: HostUnit, scale: float, hyper: tuple[GroupHyperparams, ...]) -> UpdateKey:
-        return UpdateKey(scale, tuple(hyper[s.group_index] for s in unit.segments), tuple(s.step for s in unit.segments))
+    @staticmethod
+    def _key(unit: HostUnit, scale: float, hyper: tuple[GroupHyperparams, ...], used: list[bool]) -> UpdateKey:
+        runs = kernel_runs(unit.trained, used)
+        return UpdateKey(scale, runs, tuple(hyper[run.group_index] for run in runs))
 
     @torch.no_grad()
     def _speculate(self, unit: HostUnit, window: int, scale: float) -> None:
         if window != self._window or not unit.has_grad:
             return  # decided already: finalizing does the exact work
         hyper = tuple(GroupHyperparams.of(g) for g in self.optimizer.param_groups)
-        self._update(unit, scale, hyper)
-        unit.speculation = self._key(unit, scale, hyper)
+        key = self._key(unit, scale, hyper, [True] * len(unit.trained))  # as if every parameter had a gradient
+        self._update(unit, key)
+        unit.speculation = key
 
     @torch.no_grad()
     def _finalize(self, unit: HostUnit, decision: Decision) -> None:
         try:
             if not decision.skipped:
-                if unit.speculation == self._key(unit, decision.scale, decision.hyper):
+                key = self._key(unit, decision.scale, decision.hyper, decision.used[unit])
+                if unit.speculation == key:
                     self.traffic.add(speculations_kept=1)
                     self.speculations["kept"] += 1
                 else:
                     if unit.speculation is not None:
                         self.traffic.add(speculations_redone=1)
                         self.speculations["redone"] += 1
-                    self._update(unit, decision.scale, decision.hyper)
-                self._commit(unit)
+                    self._update(unit, key)
+                self._commit(unit, decision.used[unit])
         finally:
             unit.speculation, unit.sumsq = None, None
             unit.has_grad = unit.grad_in_staging = False
             unit.staging_free.set()
             unit.in_flight = False
 
-    def _update(self, unit: HostUnit, scale: float, hyper: tuple[GroupHyperparams, ...]) -> None:
-        """Run the kernel over every segment: into `spare` with overlap, in place without."""
+    def _update(self, unit: HostUnit, key: UpdateKey) -> None:
+        """Run the kernel over every run of the key: into `spare` with overlap, in place without."""
         if unit.params_copied is not None:
             unit.params_copied.synchronize()  # param_staging still feeds the last step's copy
         grad, state = self._window_grad(unit), self._state(unit)
         start = time.perf_counter()
-        for seg in unit.segments:
-            s, e = seg.start, seg.end
+        for run, hyper in zip(key.runs, key.hyper):
+            s, e, g = run.state_start, run.state_start + run.numel, slice(run.grad_start, run.grad_start + run.numel)
             into = None if unit.spare is None else tuple(t[s:e] for t in unit.spare)
-            update(self.rule, hyper[seg.group_index], seg.step + 1, state[0][s:e], grad[s:e], state[1][s:e],
-                   None if len(state) == 2 else state[2][s:e], grad_scale=scale,
+            update(self.rule, hyper, run.step, state[0][s:e], grad[g], state[1][s:e],
+                   None if len(state) == 2 else state[2][s:e], grad_scale=key.scale,
                    out=None if unit.param_staging is unit.master else unit.param_staging[s:e], into=into,
                    threads=self.threads)
         self.traffic.add(cpu_update_s=time.perf_counter() - start)
 
-    def _commit(self, unit: HostUnit) -> None:
-        """Make the update the state, then send the 16-bit shard to the accelerator."""
-        for seg in unit.segments:
-            seg.step += 1
+    def _commit(self, unit: HostUnit, used: list[bool]) -> None:
+        """Make the update the state, then send the updated 16-bit shards to the accelerator."""
+        updated = [p for p, is_used in zip(unit.trained, used) if is_used]
+        for param in updated:
+            param.step += 1
         if unit.spare is not None:
-            for s, e in unit.gaps:  # what no update wrote (a checkpoint load may have changed it)
-                for new, old in zip(unit.spare, self._state(unit)):
-                    new[s:e].copy_(old[s:e])
+            for param, is_used in zip(unit.trained, used):  # what this update did not write keeps its value
+                if not is_used:
+                    s, e = param.state_offset, param.state_offset + param.slot.padded_numel
+                    for new, old in zip(unit.spare, self._state(unit)):
+                        new[s:e].copy_(old[s:e])
             fp32_params = unit.param_staging is unit.master
             old = self._state(unit)
             unit.master, unit.exp_avg = unit.spare[0], unit.spare[1]
@@ -493,12 +578,15 @@ class OffloadEngine:
             unit.spare = old
             if fp32_params:
                 unit.param_staging = unit.master
+        self._send(unit, updated, non_blocking=True)
+
+    def _send(self, unit: HostUnit, params: list[TrainedParam], non_blocking: bool) -> None:
+        """Copy the parameters' 16-bit rows from `param_staging` into FSDP2's sharded parameters."""
         stream = self.h2d_stream
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            for slot in unit.updated_slots:
-                local = slot.local
-                local.copy_(unit.param_staging[slot.offset : slot.offset + slot.numel].view_as(local),
-                            non_blocking=True)
+            for param in params:
+                local = param.slot.local
+                local.copy_(unit.rows(param, unit.param_staging).view_as(local), non_blocking=non_blocking)
         unit.params_copied = _record_event(stream)
 
     def _gate(self, unit: HostUnit, module: nn.Module) -> None:
@@ -511,9 +599,8 @@ class OffloadEngine:
         event = unit.params_copied
         if event is not None:
             torch.cuda.current_stream(self.param_device).wait_event(event)
-            comm = getattr(module._get_fsdp_state(), "_comm_ctx", None)  # FSDP2's all-gather streams (private)
-            streams = [getattr(comm, name, None) for name in ("all_gather_copy_in_stream", "all_gather_stream")]
-            if any(stream is None for stream in streams):
+            streams = all_gather_streams(module)
+            if streams is None:
                 event.synchronize()  # a torch whose FSDP2 keeps them elsewhere: wait on the host, always safe
             else:
                 for stream in streams:
@@ -529,13 +616,12 @@ class OffloadEngine:
 
     @torch.no_grad()
     def send_masters(self) -> None:
-        """Make every shard on the accelerator the cast of its master again (after the masters were loaded)."""
+        """Make every trained shard on the accelerator the cast of its master again (after the masters were loaded)."""
         self.wait_idle()
         for unit in self.units:
             if unit.param_staging is not unit.master:
                 unit.param_staging.copy_(unit.master)
-            for slot in unit.layout.slots:
-                slot.local.copy_(unit.param_staging[slot.offset : slot.offset + slot.numel].view_as(slot.local))
+            self._send(unit, unit.trained, non_blocking=False)
 
     def take_traffic(self) -> Traffic:
         traffic, self.traffic = self.traffic, Traffic()
@@ -548,9 +634,12 @@ class OffloadEngine:
     # -- accounting -----------------------------------------------------------------------------------------
 
     def memory_report(self) -> dict[str, float]:
-        """Bytes this rank holds, by kind, and per parameter element of its shard."""
-        local_numel = sum(s.numel for u in self.units for s in u.layout.slots)
-        accel_params = sum(s.numel * s.local.element_size() for u in self.units for s in u.layout.slots)
+        """Bytes this rank holds, by kind, and per parameter element of its shard (and per trained element: only the
+        parameters the optimizer trains have host state)."""
+        locals_ = [p.to_local() for u in self.units for p in [*(s.param for s in u.layout.slots), *u.layout.frozen]]
+        local_numel = sum(t.numel() for t in locals_)
+        accel_params = sum(t.numel() * t.element_size() for t in locals_)
+        trained_numel = sum(p.slot.numel for u in self.units for p in u.trained)
         host = {
             "host_master": sum(u.master.nbytes for u in self.units),
             "host_optimizer_state": sum(t.nbytes for u in self.units for t in (u.exp_avg, u.exp_avg_sq) if t is not None),
@@ -569,6 +658,7 @@ class OffloadEngine:
             accel_sum = max(sum_bytes, default=0)  # one unit's, while its backward runs
         return {
             "local_params": local_numel,
+            "trained_params": trained_numel,
             "accelerator_params": accel_params,
             # the largest unit's reduced gradient lives on the accelerator only until it reaches the host
             "accelerator_grad_peak": max((u.layout.flat_numel * u.grad_staging.element_size() for u in self.units), default=0),
@@ -577,6 +667,7 @@ class OffloadEngine:
             "host_total": host_total,
             "accelerator_bytes_per_param": accel_params / max(local_numel, 1),
             "host_bytes_per_param": host_total / max(local_numel, 1),
+            "host_bytes_per_trained_param": host_total / max(trained_numel, 1),
         }
 
 
@@ -600,9 +691,9 @@ def describe_memory(report: dict[str, float]) -> str:
     """One line: sizes in MiB, ratios in bytes per parameter element."""
     parts = []
     for key, value in report.items():
-        if key == "local_params":
+        if key in ("local_params", "trained_params"):
             parts.append(f"{key}={int(value):,}")
-        elif key.endswith("_per_param"):
+        elif "_per_" in key:
             parts.append(f"{key}={value:.2f}")
         else:
             parts.append(f"{key}={value / 2**20:.1f} MiB")

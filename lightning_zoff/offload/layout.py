@@ -1,9 +1,9 @@
 """Where each parameter's shard sits in its FSDP2 unit's flat reduced gradient.
 
-FSDP2 reduce-scatters a unit's gradients into one flat tensor: each parameter's local shard in parameter order,
-each padded to ceil(dim0 / world) rows. Our host buffers (master, moments, gradient sum) mirror that layout so a
-gradient shard lands with a single copy and one run of parameters of the same param group is one contiguous
-slice.
+FSDP2 reduce-scatters a unit's gradients into one flat tensor: each trainable parameter's local shard in parameter
+order, each padded to ceil(dim0 / world) rows (zoff has FSDP2 reduce every parameter that requires a gradient, a
+zero one for those that got none: `_compat.before_reduce`). Parameters that require no gradient (frozen) are not in
+it. The host's gradient buffers mirror that layout, so a shard lands with a single copy.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from lightning_zoff._compat import unit_params
 
 
 @dataclass(frozen=True)
@@ -30,8 +32,9 @@ class ParamSlot:
 @dataclass(frozen=True)
 class UnitLayout:
     name: str
-    slots: tuple[ParamSlot, ...]
+    slots: tuple[ParamSlot, ...]  # the parameters that require a gradient, in the flat reduced gradient's order
     flat_numel: int
+    frozen: tuple[nn.Parameter, ...]  # sharded parameters that require no gradient: never reduced, never updated
 
 
 def padded_shard_numel(global_shape: torch.Size, world_size: int) -> int:
@@ -39,18 +42,14 @@ def padded_shard_numel(global_shape: torch.Size, world_size: int) -> int:
     return rows * math.prod(global_shape[1:])
 
 
-def unit_params(module: nn.Module) -> list[nn.Parameter]:
-    """The parameters FSDP2 manages for the unit `module`, in its reduce-scatter order."""
-    state = module._get_fsdp_state()  # FSDP2's per-unit state; the only way to read its param order
-    group = state._fsdp_param_group
-    return [] if group is None else [fp.sharded_param for fp in group.fsdp_params]
-
-
 def unit_layout(name: str, module: nn.Module, world_size: int) -> UnitLayout:
-    slots, offset = [], 0
+    slots, frozen, offset = [], [], 0
     for param in unit_params(module):
+        if not param.requires_grad:
+            frozen.append(param)
+            continue
         padded = padded_shard_numel(param.shape, world_size)
         numel = param.to_local().numel()
         slots.append(ParamSlot(param, offset, numel, padded))
         offset += padded
-    return UnitLayout(name, tuple(slots), offset)
+    return UnitLayout(name, tuple(slots), offset, tuple(frozen))

@@ -1,0 +1,76 @@
+"""Every use of a private name of torch's FSDP2, in one place, so a torch upgrade that moves one breaks here (and in
+tests/test_compat.py), not somewhere in the data path. Checked on torch 2.11 (GPU machine) and 2.13 (CPU)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def fsdp_param_group(module: nn.Module) -> Any:
+    """FSDP2's parameter group of the unit `module` (None when it manages no parameter). torch 2.13 keeps a list of
+    groups and a compatibility property that asserts there is at most one; zoff makes one group per unit."""
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        if len(groups) > 1:
+            raise RuntimeError(f"zoff: an FSDP2 unit with {len(groups)} parameter groups; zoff shards one per unit")
+        return groups[0] if groups else None
+    return state._fsdp_param_group
+
+
+def unit_params(module: nn.Module) -> list[nn.Parameter]:
+    """The sharded parameters of the unit `module`, in the order FSDP2 lays out its flat reduced gradient."""
+    group = fsdp_param_group(module)
+    return [] if group is None else [fp.sharded_param for fp in group.fsdp_params]
+
+
+def all_gather_streams(module: nn.Module) -> list[torch.Stream] | None:
+    """The streams FSDP2 all-gathers the unit's parameters on, or None if this torch keeps them elsewhere."""
+    comm = getattr(module._get_fsdp_state(), "_comm_ctx", None)  # type: ignore[operator]
+    streams = [getattr(comm, name, None) for name in ("all_gather_copy_in_stream", "all_gather_stream")]
+    return None if any(s is None for s in streams) else streams
+
+
+def before_reduce(module: nn.Module, report: Callable[[list[bool]], None]) -> None:
+    """Run `report(used)` each time FSDP2 is about to reduce-scatter the unit's gradients, `used` saying for each
+    parameter that requires a gradient (in FSDP2's order) whether it got one in this backward; and give each that got
+    none a zero gradient first, so the reduced flat shard always holds every trainable parameter (the same tensors on
+    every rank: a branch, an adapter or an MoE expert unused on one rank but used on another).
+
+    torch >= 2.13 can zero-fill by itself (`set_reduce_scatter_unused_params`) but tells no one which parameters had
+    no gradient, and torch 2.11 has neither: so zoff wraps the group's `post_backward`, which FSDP2 calls through the
+    instance both from autograd and from its end-of-backward callback. A unit none of whose parameters got a gradient
+    did not take part in this backward: it is left alone (no reduce, as FSDP2 does)."""
+    group = fsdp_param_group(module)
+    if group is None:
+        return
+    post_backward = type(group).post_backward.__get__(group)  # the class's, so wrapping twice wraps once
+
+    def wrapped(*args: Any) -> Any:
+        trainable = [fp for fp in group.fsdp_params if fp.sharded_param.requires_grad]
+        used = [_has_unsharded_grad(fp) for fp in trainable]
+        if any(used):
+            for fp, has_grad in zip(trainable, used):
+                if not has_grad:
+                    fp.unsharded_param.grad = torch.zeros_like(fp.unsharded_param)
+            report(used)
+        return post_backward(*args)
+
+    group.post_backward = wrapped
+
+
+def _has_unsharded_grad(fsdp_param: Any) -> bool:
+    if not hasattr(fsdp_param, "_unsharded_param"):  # never all-gathered: not used yet
+        return False
+    return fsdp_param.unsharded_param.grad is not None or fsdp_param.unsharded_accumulated_grad is not None
+
+
+def restore_post_backward(module: nn.Module) -> None:
+    """Undo `before_reduce` (the engine that installed it is closing)."""
+    group = fsdp_param_group(module)
+    if group is not None and "post_backward" in vars(group):
+        del group.post_backward
