@@ -342,12 +342,16 @@ class ZoffStrategy(ParallelStrategy):
     def _log_step(self, loss_scale: float) -> None:
         # Lightning allows logging from `optimizer_step`; its loggers keep their own cadence
         assert self.engine is not None and self.last_step is not None
-        times, traffic = self._timer.take(), self.engine.take_traffic()
-        # forwards that waited for an overlapped update: that wait is exposed optimizer time, not forward time
-        gate_wait = self.engine.take_gate_wait()
-        times["forward"] = times.get("forward", 0.0) - gate_wait
-        times["exposed_optimizer"] = times.get("exposed_optimizer", 0.0) + gate_wait
-        metrics = {f"zoff/{phase}_s": seconds for phase, seconds in times.items()}
+        traffic = self.engine.take_traffic()
+        # on CUDA the phase times come a step late (see StepTimer); the gate's wait travels with its own window
+        times = self._timer.end_window(gate_wait=self.engine.take_gate_wait())
+        metrics = {}
+        if times is not None:
+            # forwards that waited for an overlapped update: that wait is exposed optimizer time, not forward time
+            gate_wait = times.pop("gate_wait")
+            times["forward"] = times.get("forward", 0.0) - gate_wait
+            times["exposed_optimizer"] = times.get("exposed_optimizer", 0.0) + gate_wait
+            metrics = {f"zoff/{phase}_s": seconds for phase, seconds in times.items()}
         metrics |= {
             # cpu_update_s: update kernels that finished since the last step (overlapped ones may end a step late)
             "zoff/cpu_update_s": traffic.cpu_update_s, "zoff/d2h_gb": traffic.d2h_bytes / 1e9,

@@ -11,23 +11,53 @@ import torch
 
 
 class StepTimer:
-    """Wall-clock seconds per phase, summed over an accumulation window. On CUDA each phase ends with a
-    synchronize, so the GPU work of a phase is charged to it and not to the next one."""
+    """Seconds per phase, summed over an accumulation window.
+
+    On CUDA a phase is timed by two events on the current stream: the time the accelerator took from reaching the
+    phase's start to reaching its end, which includes the time it sat idle waiting for the host (a forward held by
+    an update, the step's decision). The events are read once they are done, so a window's times come out a step
+    or two late and timing never makes the host wait for the accelerator (a synchronize per phase would stall the
+    very overlap it measures). Elsewhere, wall-clock time, at once."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.window: dict[str, float] = defaultdict(float)
+        self._window: dict[str, list] = defaultdict(list)  # phase -> [(start, end)] events, or seconds off CUDA
+        self._pending: list[tuple[dict[str, list], dict[str, float]]] = []  # closed windows not yet read
 
     @contextmanager
     def measure(self, phase: str) -> Iterator[None]:
-        start = time.perf_counter()
+        if self.device.type != "cuda":
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._window[phase].append(time.perf_counter() - start)
+            return
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(torch.cuda.current_stream(self.device))
         try:
             yield
         finally:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.window[phase] += time.perf_counter() - start
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(torch.cuda.current_stream(self.device))
+            self._window[phase].append((start, end))
 
-    def take(self) -> dict[str, float]:
-        window, self.window = dict(self.window), defaultdict(float)
-        return window
+    def end_window(self, **extra: float) -> dict[str, float] | None:
+        """Close the window (`extra`: seconds measured elsewhere that belong to it) and return the oldest closed
+        window whose times are known, with its extras; None while none is."""
+        self._pending.append((dict(self._window), extra))
+        self._window = defaultdict(list)
+        if not self._done(self._pending[0][0]):
+            return None
+        window, extra = self._pending.pop(0)  # one per call: every window is reported once, in order
+        return {**{phase: sum(self._seconds(t) for t in timings) for phase, timings in window.items()}, **extra}
+
+    @staticmethod
+    def _done(window: dict[str, list]) -> bool:
+        return all(not isinstance(t, tuple) or t[1].query() for timings in window.values() for t in timings)
+
+    @staticmethod
+    def _seconds(timing: float | tuple[torch.cuda.Event, torch.cuda.Event]) -> float:
+        if isinstance(timing, tuple):
+            return timing[0].elapsed_time(timing[1]) / 1000.0
+        return timing

@@ -209,7 +209,8 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
     params = sum(p.numel() for p in module.parameters())
     trainer.fit(module, datamodule=data)
     step_s = statistics.median(timer.steps[warmup:])
-    zoff = {key: statistics.median(t[key] for t in timer.zoff[warmup:]) for key in timer.zoff[-1]} if timer.zoff[-1] else {}
+    # zoff's phase times arrive a step late on CUDA (StepTimer): a step may lack them
+    zoff = {key: statistics.median(t[key] for t in timer.zoff[warmup:] if key in t) for key in timer.zoff[-1]}
     # zoff's own count includes the forwards that waited for overlapped updates; the callback's brackets only
     # the step call, which is the whole update for the others
     exposed = zoff.get("zoff/exposed_optimizer_s", statistics.median(timer.optimizer[warmup:]))
