@@ -48,6 +48,23 @@ for stage in "$@"; do
       [ $left -gt 60 ] && timeout $left $q --runs zoff_bf16_moments --out "$OUT/qwen3_4b_zoff_bf16_moments.json" 2>&1 | grep -v "^INFO" | tail -4 | tee -a "$OUT/qwen3_4b.txt"
       left=$(( ${CAPACITY_BUDGET:-560} - SECONDS ))
       [ $left -gt 60 ] && timeout $left python3 scripts/bench.py --runs zoff_bf16_moments zoff --accumulate 1 --steps 5 --warmup 2 --out "$OUT/gpt1b_zoff_bf16_moments.json" 2>&1 | grep -v "^INFO" | tail -4 | tee "$OUT/gpt1b_bf16_moments.txt" ;;
+    torch211)  # the CPU (gloo) tests that lean on FSDP2 internals, under the GPU machine's torch
+      timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_unused_params.py tests/test_overlap.py tests/test_compat.py 2>&1 | tail -4 | tee "$OUT/pytest_torch211.txt" ;;
+    before_after)  # the 1.34B bench with main before this session (carry _before: git archive c2f129e) and now
+      for side in _before .; do (cd $side && timeout 200 python3 scripts/bench.py --runs zoff --accumulate 1 --steps 6 --warmup 2 \
+          --out "$OUT/bench_gpt1b_zoff_$( [ $side = . ] && echo after || echo before ).json" 2>&1 | grep -v "^INFO" | tail -3 | tee -a "$OUT/before_after.txt"); done ;;
+    finetune7b)  # a fine-tune of the 7B shape's last 2 blocks: host state for those only
+      timeout 240 python3 scripts/check_capacity.py --model gpt7b --train-last 2 --steps 8 --batch 4 \
+          --out "$OUT/finetune_gpt7b_last2.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/finetune_gpt7b.txt" ;;
+    mainjob_qwen)  # issue 15: the main job on Qwen3-4B's shape completes; peak host RSS of the whole job
+      timeout 330 python3 scripts/peak_rss.py --out "$OUT/mainjob_qwen3_4b_rss.json" -- python3 scripts/train.py \
+          model=hf_qwen3_4b data=synthetic trainer.max_steps=6 hydra.run.dir=/tmp/run_qwen 2>&1 | grep -v "^INFO" | tail -30 | tee "$OUT/mainjob_qwen3_4b.txt"
+      cp /tmp/run_qwen/loss.png "$OUT/mainjob_qwen3_4b_loss.png" 2>/dev/null; ls /tmp/run_qwen /tmp/run_qwen/checkpoints | tee -a "$OUT/mainjob_qwen3_4b.txt"; rm -rf /tmp/run_qwen ;;
+    mainjob_7b)  # the 7B GPT with the options of its config's comment (12 B/param on the 128 GB host)
+      timeout 400 python3 scripts/peak_rss.py --out "$OUT/mainjob_gpt_7b_rss.json" -- python3 scripts/train.py \
+          model=gpt_7b data=synthetic trainer.max_steps=6 strategy.overlap=false strategy.optimizer_state_dtype=bf16 \
+          data.batch_size=4 hydra.run.dir=/tmp/run_7b 2>&1 | grep -v "^INFO" | tail -30 | tee "$OUT/mainjob_gpt_7b.txt"
+      cp /tmp/run_7b/loss.png "$OUT/mainjob_gpt_7b_loss.png" 2>/dev/null; ls /tmp/run_7b /tmp/run_7b/checkpoints | tee -a "$OUT/mainjob_gpt_7b.txt"; rm -rf /tmp/run_7b ;;
     bench_more) timeout ${BENCH_TIMEOUT:-400} python3 scripts/bench.py --runs fsdp2_cpu_offload zoff zoff_sync --accumulate 1 4 --steps 5 --warmup 2 --out "$OUT/bench_more.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/bench_more.txt" ;;
   esac
 done
