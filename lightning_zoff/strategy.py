@@ -265,6 +265,7 @@ class ZoffStrategy(ParallelStrategy):
         self.precision_plugin.device_type = self.root_device.type
         self._timer = StepTimer(self.root_device)
         if not is_sharded(module):
+            self._close_engine()  # an earlier fit's, of another model
             self._units = plan_units(module, self.wrap_policy)
             checkpoint_activations(module, self.activation_checkpointing_policy)
             mesh = init_device_mesh(self.root_device.type, (self.world_size,))
@@ -316,17 +317,26 @@ class ZoffStrategy(ParallelStrategy):
             raise
         if len(self.optimizers) != 1:
             raise ValueError(one_optimizer.format(len(self.optimizers)))
-        if self.engine is None:
-            state_device = torch.device("cpu") if self.offload else self.root_device
-            threads = self._optimizer_threads()
-            with torch_threads(max(torch.get_num_threads(), threads)):  # the host state's first copies
-                self.engine = self._build_engine(state_device, threads, trainer.accumulate_grad_batches)
-            self.engine.attach()
-            self._masters = {}
-            self._log_memory()
+        if self.engine is not None:
+            # As under every Lightning strategy, a new fit steps the optimizer configure_optimizers just returned, from
+            # fresh state (a resume with ckpt_path restores it later, in load_checkpoint); the fp32 masters carry over.
+            self._masters = self.engine.fp32_shards()
+            self._close_engine()
+        state_device = torch.device("cpu") if self.offload else self.root_device
+        threads = self._optimizer_threads()
+        with torch_threads(max(torch.get_num_threads(), threads)):  # the host state's first copies
+            self.engine = self._build_engine(state_device, threads, trainer.accumulate_grad_batches)
+        self.engine.attach()
+        self._masters = {}
+        self._log_memory()
         for config in self.lr_scheduler_configs:
             if config.interval == "step" and not isinstance(config.scheduler, SkipAwareScheduler):
                 config.scheduler = SkipAwareScheduler(config.scheduler, self._last_step_skipped)
+
+    def _close_engine(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
 
     def _build_engine(self, state_device: torch.device, threads: int, accumulate_grad_batches: int) -> OffloadEngine:
         return OffloadEngine(

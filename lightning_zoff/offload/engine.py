@@ -207,6 +207,9 @@ class OffloadEngine:
         self.copy_stream = torch.cuda.Stream(self.param_device) if on_cuda else None  # D2H, FSDP2's hook runs here
         self.h2d_stream = torch.cuda.Stream(self.param_device) if on_cuda else None
         self.worker = HostWorker() if self.overlap else None
+        self._switch_interval = sys.getswitchinterval()  # what `close` restores
+        self._gate_hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._closed = False
         if self.worker is not None:
             # The worker needs the GIL for a moment between kernels; by default Python hands it over only every
             # 5 ms, and a unit's landing and update are several calls. Hand it over 10x sooner.
@@ -281,7 +284,8 @@ class OffloadEngine:
             module.set_force_sum_reduction_for_comms(True)  # gloo has no AVG; the 1/world goes into the step
             module.set_all_reduce_hook(lambda flat, unit=unit: self._on_unit_reduced(unit, flat), stream=self.copy_stream)
             # prepend: before FSDP2's own pre-forward, whose all-gather reads the sharded parameters
-            module.register_forward_pre_hook(lambda *_, unit=unit, module=module: self._gate(unit, module), prepend=True)
+            self._gate_hooks.append(module.register_forward_pre_hook(
+                lambda *_, unit=unit, module=module: self._gate(unit, module), prepend=True))
 
     def begin_backward(self, window_ends: bool, loss_scale: float = 1.0) -> None:
         """Called before each backward; `window_ends`: it is the window's last (Lightning steps right after)."""
@@ -578,6 +582,39 @@ class OffloadEngine:
             "accelerator_bytes_per_param": accel_params / max(local_numel, 1),
             "host_bytes_per_param": host_total / max(local_numel, 1),
         }
+
+    # -- lifetime -------------------------------------------------------------------------------------------
+
+    def fp32_shards(self) -> dict[int, torch.Tensor]:
+        """Copies of this rank's fp32 master rows of every sharded parameter of the units, by id of the parameter:
+        the `masters` an engine for a later optimizer over the same units starts from."""
+        self.wait_idle()
+        return {id(slot.param): unit.master[slot.offset : slot.offset + slot.numel].view(slot.local.shape).clone()
+                for unit in self.units for slot in unit.layout.slots}
+
+    def close(self) -> None:
+        """Retire the engine: wait for its work, remove its forward gates, end its worker, restore the switch
+        interval and let go of its host buffers. FSDP2's reduce hooks cannot be removed; they are pointed at one that
+        refuses (and holds no buffer) until the next engine's `attach` replaces them. Closing again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait_idle()
+        finally:
+            for hook in self._gate_hooks:
+                hook.remove()
+            self._gate_hooks.clear()
+            for module in self._modules:
+                module.set_all_reduce_hook(_refuse_backward)
+            if self.worker is not None:
+                self.worker.close()
+                sys.setswitchinterval(self._switch_interval)
+            self.units, self._modules, self._landed_order = [], [], []
+
+
+def _refuse_backward(flat_grad: torch.Tensor) -> None:
+    raise RuntimeError("zoff: a backward reached a closed OffloadEngine; the strategy builds a new one for each fit.")
 
 
 def _warn_if_bf16_moments_cannot_decay(rule: UpdateRule, optimizer: torch.optim.Optimizer) -> None:
