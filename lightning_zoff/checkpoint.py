@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 from lightning_zoff.offload import OffloadEngine
 from lightning_zoff.offload.engine import HostUnit, Segment
 from lightning_zoff.offload.layout import ParamSlot
+from lightning_zoff.pretrained import OnDisk
 from lightning_zoff.sharding import local_chunk
 
 # torch 2.13 renamed all_gather_into_tensor (2.11 has only the old name)
@@ -159,14 +160,19 @@ def unmatched_keys(module: nn.Module, targets: dict[str, Any], full: dict[str, A
 
 def fill_from_full(targets: dict[str, Any], full: dict[str, Any], world_size: int, rank: int) -> None:
     """Copy this rank's rows of each whole tensor in `full` into the (sharded or plain) tensor at the same key of
-    `targets`, recursing into dicts; the counterpart of a sharded load for a checkpoint saved whole."""
+    `targets`, recursing into dicts; the counterpart of a sharded load for a checkpoint saved whole. A tensor still
+    on disk (`OnDisk`) is read here, only this rank's rows of it when sharded."""
     for key, target in targets.items():
         if isinstance(target, dict):
             fill_from_full(target, full[key], world_size, rank)
         elif isinstance(target, DTensor):
-            target.to_local().copy_(local_chunk(full[key], world_size, rank))
+            source = full[key]
+            on_disk = isinstance(source, OnDisk)
+            rows = source.local_chunk(world_size, rank) if on_disk else local_chunk(source, world_size, rank)
+            target.to_local().copy_(rows)
         elif isinstance(target, torch.Tensor):
-            target.copy_(full[key])
+            source = full[key]
+            target.copy_(source.whole() if isinstance(source, OnDisk) else source)
 
 
 @torch.no_grad()

@@ -36,6 +36,7 @@ from lightning_zoff.cpus import CpuLayout, apply_layout, plan_layout, torch_thre
 from lightning_zoff.launchers import ZoffMultiProcessingLauncher
 from lightning_zoff.offload import OffloadEngine, StepOutcome, describe_memory
 from lightning_zoff.precision import ZoffPrecision
+from lightning_zoff.pretrained import read_weights, to_module_names
 from lightning_zoff.schedulers import SkipAwareScheduler
 from lightning_zoff.telemetry import StepTimer
 from lightning_zoff.sharding import ParamInitFn, checkpoint_activations, is_sharded, plan_units, shard_model
@@ -511,23 +512,34 @@ class ZoffStrategy(ParallelStrategy):
             self._state_mesh = state_mesh(self.engine)
         return self._state_mesh
 
-    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor] | str | Path, strict: bool = True) -> None:
+    def load_full_state_dict(
+        self, state_dict: dict[str, torch.Tensor] | str | Path, strict: bool = True, prefix: str | None = None
+    ) -> None:
         """Load whole (unsharded) weights, such as a pretrained model's, into the sharded model: every rank copies
-        only its own rows into its fp32 master and refreshes its 16-bit shards. A path is memory-mapped, so a rank
-        reads its rows, not the whole file. Call it once the strategy is set up (for example in `on_fit_start`)."""
+        only its own rows into its fp32 master and refreshes its 16-bit shards. Call it once the strategy is set up
+        (for example in `on_fit_start`).
+
+        `state_dict` is a dict of tensors or a path: a directory written by Hugging Face `save_pretrained`
+        (model.safetensors, sharded with model.safetensors.index.json, or pytorch_model.bin), a .safetensors file
+        (a rank reads only its rows), or a torch.save file such as a .pt, .bin or Lightning .ckpt (memory-mapped).
+        `prefix` goes before every name of the weights to give the LightningModule's (``"model."`` for a Hugging Face
+        model held as ``self.model``); by default the prefix (none, or a submodule's name) under which the most names
+        match. `strict=False` loads the names that match, but refuses weights of which none do."""
         if self.engine is None:
             raise RuntimeError("load_full_state_dict needs the sharded model and its optimizer state: call it once"
                                " fit has set up the strategy (for example in `on_fit_start`).")
         if isinstance(state_dict, (str, Path)):
-            state_dict = torch.load(state_dict, map_location="cpu", mmap=True, weights_only=True)
-            state_dict = state_dict.get("state_dict", state_dict)
+            state_dict = read_weights(state_dict)
         self.engine.wait_idle()
         module = self.lightning_module
         targets = sharded_model_state(module, self.engine, self._mesh())
+        state_dict, prefix = to_module_names(state_dict, targets.keys(), module, prefix)
         missing, unexpected = unmatched_keys(module, targets, state_dict)
         if strict and (missing or unexpected):
+            renamed = f", the weights' names prefixed with {prefix!r}" if prefix else ""
             raise KeyError(f"load_full_state_dict: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}"
-                           f" ({len(missing)} and {len(unexpected)}); pass strict=False to load the keys that match.")
+                           f" ({len(missing)} and {len(unexpected)}{renamed}); pass strict=False to load the keys that"
+                           " match.")
         fill_from_full({k: v for k, v in targets.items() if k in state_dict}, state_dict, self.world_size,
                        self.global_rank)
         finish_restore(module, self.engine, None, None)
