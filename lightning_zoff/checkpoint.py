@@ -220,7 +220,12 @@ def weight_targets(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def apply_weights(module: nn.Module, targets: dict[str, torch.Tensor]) -> None:
+def apply_weights(module: nn.Module, targets: dict[str, torch.Tensor], masters: dict[int, torch.Tensor]) -> None:
+    """Copy loaded weights into the model's shards and into the fp32 masters (by id of the sharded parameter) that the
+    engine of a later fit starts from."""
     for name, p in module.named_parameters():
         loaded = targets[name]
-        p.to_local().copy_(loaded.to_local() if isinstance(loaded, DTensor) else loaded)
+        local = loaded.to_local() if isinstance(loaded, DTensor) else loaded
+        p.to_local().copy_(local)
+        if id(p) in masters:
+            masters[id(p)].copy_(local)

@@ -477,7 +477,7 @@ class ZoffStrategy(ParallelStrategy):
         if self.engine is None:
             targets = {"state_dict": weight_targets(module)}
             self._read_tensors(path, checkpoint, targets)
-            apply_weights(module, targets["state_dict"])
+            apply_weights(module, targets["state_dict"], self._masters)
             return checkpoint
         self.engine.wait_idle()
         targets = {"state_dict": sharded_model_state(module, self.engine, self._mesh())}

@@ -13,6 +13,7 @@ import threading
 import weakref
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -172,3 +173,22 @@ def test_a_fit_of_another_module_starts_from_that_modules_weights(tmp_path):
     for rank in (0, 1):
         assert json.loads((tmp_path / f"other{rank}.json").read_text()) == {"starts_from_its_own_weights": True,
                                                                             "micro_batches": 4}
+
+
+def validate_from_a_checkpoint_then_fit(rank: int, out: Path) -> None:
+    trainer, _ = fit(out, ZoffStrategy(), max_steps=2)
+    trainer.save_checkpoint(out / "checkpoint")
+    saved = trainer.strategy.full_state_dict()
+    masters = KeepMasters()
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ZoffStrategy(), max_steps=1, callbacks=[masters],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    module = TinyModule()  # initialised afresh
+    trainer.validate(module, token_loader(n=16, seed=1), ckpt_path=out / "checkpoint", verbose=False)
+    trainer.fit(module, token_loader())
+    same = all(torch.equal(masters.at_start[0][k], v) for k, v in saved.items())
+    (out / f"validated{rank}.json").write_text(json.dumps(same))
+
+
+def test_a_fit_after_validating_a_checkpoint_starts_from_its_weights(tmp_path):
+    in_ranks(validate_from_a_checkpoint_then_fit, tmp_path)
+    assert all(json.loads((tmp_path / f"validated{rank}.json").read_text()) for rank in (0, 1))
