@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 from lightning_zoff.offload import OffloadEngine
 from lightning_zoff.offload.engine import HostUnit, TrainedParam
 from lightning_zoff.offload.layout import padded_shard_numel
+from lightning_zoff.pretrained import OnDisk
 from lightning_zoff.sharding import local_chunk
 
 # torch 2.13 renamed all_gather_into_tensor (2.11 has only the old name)
@@ -157,14 +158,19 @@ def unmatched_keys(module: nn.Module, targets: dict[str, Any], full: dict[str, A
 
 def fill_from_full(targets: dict[str, Any], full: dict[str, Any], world_size: int, rank: int) -> None:
     """Copy this rank's rows of each whole tensor in `full` into the (sharded or plain) tensor at the same key of
-    `targets`, recursing into dicts; the counterpart of a sharded load for a checkpoint saved whole."""
+    `targets`, recursing into dicts; the counterpart of a sharded load for a checkpoint saved whole. A tensor still
+    on disk (`OnDisk`) is read here, only this rank's rows of it when sharded."""
     for key, target in targets.items():
         if isinstance(target, dict):
             fill_from_full(target, full[key], world_size, rank)
         elif isinstance(target, DTensor):
-            target.to_local().copy_(local_chunk(full[key], world_size, rank))
+            source = full[key]
+            on_disk = isinstance(source, OnDisk)
+            rows = source.local_chunk(world_size, rank) if on_disk else local_chunk(source, world_size, rank)
+            target.to_local().copy_(rows)
         elif isinstance(target, torch.Tensor):
-            target.copy_(full[key])
+            source = full[key]
+            target.copy_(source.whole() if isinstance(source, OnDisk) else source)
 
 
 @torch.no_grad()
@@ -210,7 +216,12 @@ def weight_targets(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def apply_weights(module: nn.Module, targets: dict[str, torch.Tensor]) -> None:
+def apply_weights(module: nn.Module, targets: dict[str, torch.Tensor], masters: dict[int, torch.Tensor]) -> None:
+    """Copy loaded weights into the model's shards and into the fp32 masters (by id of the sharded parameter) that the
+    engine of a later fit starts from."""
     for name, p in module.named_parameters():
         loaded = targets[name]
-        p.to_local().copy_(loaded.to_local() if isinstance(loaded, DTensor) else loaded)
+        local = loaded.to_local() if isinstance(loaded, DTensor) else loaded
+        p.to_local().copy_(local)
+        if id(p) in masters:
+            masters[id(p)].copy_(local)

@@ -36,6 +36,7 @@ from lightning_zoff.cpus import CpuLayout, apply_layout, plan_layout, torch_thre
 from lightning_zoff.launchers import ZoffMultiProcessingLauncher
 from lightning_zoff.offload import OffloadEngine, StepOutcome, describe_memory
 from lightning_zoff.precision import ZoffPrecision
+from lightning_zoff.pretrained import read_weights, to_module_names
 from lightning_zoff.schedulers import SkipAwareScheduler
 from lightning_zoff.telemetry import StepTimer
 from lightning_zoff.sharding import ParamInitFn, checkpoint_activations, is_sharded, plan_units, shard_model
@@ -265,6 +266,7 @@ class ZoffStrategy(ParallelStrategy):
         self.precision_plugin.device_type = self.root_device.type
         self._timer = StepTimer(self.root_device)
         if not is_sharded(module):
+            self._close_engine()  # an earlier fit's, of another model
             self._units = plan_units(module, self.wrap_policy)
             checkpoint_activations(module, self.activation_checkpointing_policy)
             mesh = init_device_mesh(self.root_device.type, (self.world_size,))
@@ -316,17 +318,26 @@ class ZoffStrategy(ParallelStrategy):
             raise
         if len(self.optimizers) != 1:
             raise ValueError(one_optimizer.format(len(self.optimizers)))
-        if self.engine is None:
-            state_device = torch.device("cpu") if self.offload else self.root_device
-            threads = self._optimizer_threads()
-            with torch_threads(max(torch.get_num_threads(), threads)):  # the host state's first copies
-                self.engine = self._build_engine(state_device, threads, trainer.accumulate_grad_batches)
-            self.engine.attach()
-            self._masters = {}
-            self._log_memory()
+        if self.engine is not None:
+            # As under every Lightning strategy, a new fit steps the optimizer configure_optimizers just returned, from
+            # fresh state (a resume with ckpt_path restores it later, in load_checkpoint); the fp32 masters carry over.
+            self._masters = self.engine.fp32_shards()
+            self._close_engine()
+        state_device = torch.device("cpu") if self.offload else self.root_device
+        threads = self._optimizer_threads()
+        with torch_threads(max(torch.get_num_threads(), threads)):  # the host state's first copies
+            self.engine = self._build_engine(state_device, threads, trainer.accumulate_grad_batches)
+        self.engine.attach()
+        self._masters = {}
+        self._log_memory()
         for config in self.lr_scheduler_configs:
             if config.interval == "step" and not isinstance(config.scheduler, SkipAwareScheduler):
                 config.scheduler = SkipAwareScheduler(config.scheduler, self._last_step_skipped)
+
+    def _close_engine(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
 
     def _build_engine(self, state_device: torch.device, threads: int, accumulate_grad_batches: int) -> OffloadEngine:
         return OffloadEngine(
@@ -470,7 +481,7 @@ class ZoffStrategy(ParallelStrategy):
         if self.engine is None:
             targets = {"state_dict": weight_targets(module)}
             self._read_tensors(path, checkpoint, targets)
-            apply_weights(module, targets["state_dict"])
+            apply_weights(module, targets["state_dict"], self._masters)
             return checkpoint
         self.engine.wait_idle()
         targets = {"state_dict": sharded_model_state(module, self.engine, self._mesh())}
@@ -505,23 +516,34 @@ class ZoffStrategy(ParallelStrategy):
             self._state_mesh = state_mesh(self.engine)
         return self._state_mesh
 
-    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor] | str | Path, strict: bool = True) -> None:
+    def load_full_state_dict(
+        self, state_dict: dict[str, torch.Tensor] | str | Path, strict: bool = True, prefix: str | None = None
+    ) -> None:
         """Load whole (unsharded) weights, such as a pretrained model's, into the sharded model: every rank copies
-        only its own rows into its fp32 master and refreshes its 16-bit shards. A path is memory-mapped, so a rank
-        reads its rows, not the whole file. Call it once the strategy is set up (for example in `on_fit_start`)."""
+        only its own rows into its fp32 master and refreshes its 16-bit shards. Call it once the strategy is set up
+        (for example in `on_fit_start`).
+
+        `state_dict` is a dict of tensors or a path: a directory written by Hugging Face `save_pretrained`
+        (model.safetensors, sharded with model.safetensors.index.json, or pytorch_model.bin), a .safetensors file
+        (a rank reads only its rows), or a torch.save file such as a .pt, .bin or Lightning .ckpt (memory-mapped).
+        `prefix` goes before every name of the weights to give the LightningModule's (``"model."`` for a Hugging Face
+        model held as ``self.model``); by default the prefix (none, or a submodule's name) under which the most names
+        match. `strict=False` loads the names that match, but refuses weights of which none do."""
         if self.engine is None:
             raise RuntimeError("load_full_state_dict needs the sharded model and its optimizer state: call it once"
                                " fit has set up the strategy (for example in `on_fit_start`).")
         if isinstance(state_dict, (str, Path)):
-            state_dict = torch.load(state_dict, map_location="cpu", mmap=True, weights_only=True)
-            state_dict = state_dict.get("state_dict", state_dict)
+            state_dict = read_weights(state_dict)
         self.engine.wait_idle()
         module = self.lightning_module
         targets = sharded_model_state(module, self.engine, self._mesh())
+        state_dict, prefix = to_module_names(state_dict, targets.keys(), module, prefix)
         missing, unexpected = unmatched_keys(module, targets, state_dict)
         if strict and (missing or unexpected):
+            renamed = f", the weights' names prefixed with {prefix!r}" if prefix else ""
             raise KeyError(f"load_full_state_dict: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}"
-                           f" ({len(missing)} and {len(unexpected)}); pass strict=False to load the keys that match.")
+                           f" ({len(missing)} and {len(unexpected)}{renamed}); pass strict=False to load the keys that"
+                           " match.")
         fill_from_full({k: v for k, v in targets.items() if k in state_dict}, state_dict, self.world_size,
                        self.global_rank)
         finish_restore(module, self.engine, targets, None, None)

@@ -306,3 +306,58 @@ def test_pretrained_hf_weights_give_the_full_models_loss(tmp_path):
     with torch.no_grad():
         expected = F.cross_entropy(pretrained(x).flatten(0, 1), y.flatten()).item()
     assert read_probe(tmp_path)["losses"][0] == pytest.approx(expected, rel=1e-6)
+
+
+class LoadEach(pl.Callback):
+    """At the start of fit, in every rank: load each `(source, kwargs, weights)` in turn and note whether the gathered
+    masters are then those weights bit for bit, or the ValueError's message."""
+
+    def __init__(self, loads: list, out: Path) -> None:
+        self.loads, self.out = loads, out
+
+    def on_fit_start(self, trainer, pl_module):
+        results = []
+        for source, kwargs, weights in self.loads:
+            try:
+                trainer.strategy.load_full_state_dict(source, **kwargs)
+            except ValueError as err:
+                results.append(str(err))
+                continue
+            gathered = trainer.strategy.full_state_dict()
+            same = gathered.keys() == weights.keys() and all(torch.equal(gathered[k], v) for k, v in weights.items())
+            results.append(same)
+        (self.out / f"loads{trainer.global_rank}.json").write_text(json.dumps(results))
+
+
+@pytest.mark.parametrize("preset", ["llama_tiny", "qwen3_tiny"])
+def test_save_pretrained_weights_load_from_the_directory_or_a_file(tmp_path, preset):
+    from safetensors.torch import save_file
+
+    # two pretrained models, loaded in turn, so that every load shows by replacing the weights before it
+    pretrained = {}
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        pretrained[seed] = HFCausalLM(preset)
+    a, b = (pretrained[seed].state_dict() for seed in (1, 2))
+    # the transformers model's own names, without HFCausalLM's "model."; tied (qwen3): the head's name left out
+    pretrained[1].model.save_pretrained(tmp_path / "a")
+    pretrained[1].model.save_pretrained(tmp_path / "a_sharded", max_shard_size="40KB")
+    pretrained[2].model.save_pretrained(tmp_path / "b")
+    assert (tmp_path / "a_sharded" / "model.safetensors.index.json").exists()
+    (tmp_path / "b_bin").mkdir()
+    torch.save(pretrained[2].model.state_dict(), tmp_path / "b_bin" / "pytorch_model.bin")  # transformers < 5
+    save_file({"encoder.weight": torch.zeros(3)}, tmp_path / "other.safetensors")
+    loads = [
+        (tmp_path / "a", {}, a),
+        (tmp_path / "b" / "model.safetensors", {}, b),
+        (tmp_path / "a_sharded", {}, a),
+        (tmp_path / "b_bin", {}, b),
+        (str(tmp_path / "a" / "model.safetensors"), {"prefix": "model."}, a),
+        (tmp_path / "other.safetensors", {"strict": False}, None),
+    ]
+    fit(tmp_path, ZoffStrategy(start_method="fork"), Recorded(preset), max_steps=1, accumulate=1,
+        callbacks=[LoadEach(loads, tmp_path)])
+    for rank in (0, 1):
+        *loaded, refused = json.loads((tmp_path / f"loads{rank}.json").read_text())
+        assert loaded == [True] * 5
+        assert refused.startswith("none of the 1 names in the weights is a name of the Recorded under any of its")

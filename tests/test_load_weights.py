@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch.multiprocessing import ProcessRaisedException
 
 from lightning_zoff import ZoffStrategy
+from lightning_zoff.pretrained import OnDisk, to_module_names
+from lightning_zoff.sharding import local_chunk
 from resume_run import SaveBatch
 from tiny import Probe, TinyModule, read_probe, token_loader
 
@@ -60,3 +62,46 @@ def test_mismatched_keys_are_named(tmp_path):
     torch.save(state, path)
     with pytest.raises((KeyError, ProcessRaisedException), match=r"missing keys \['model.head.weight'\].*unexpected"):
         train_from(tmp_path, path, {})
+
+
+def test_safetensors_rows_are_the_ranks_chunks(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    tensors = {"rows": torch.randn(5, 3), "one": torch.randn(1, 4), "none": torch.zeros(0, 2), "vector": torch.randn(7),
+               "scalar": torch.tensor(2.5)}
+    save_file(tensors, tmp_path / "t.safetensors")
+    file = safe_open(str(tmp_path / "t.safetensors"), framework="pt")
+    for name, tensor in tensors.items():
+        assert torch.equal(OnDisk(file, name).whole(), tensor)
+        for world_size in (1, 2, 3, 4, 8):
+            for rank in range(world_size):
+                rows = OnDisk(file, name).local_chunk(world_size, rank)
+                assert torch.equal(rows, local_chunk(tensor, world_size, rank))
+
+
+def test_weights_get_the_modules_names():
+    module = TinyModule()
+    expected = module.state_dict().keys()
+    inner = module.model.state_dict()  # as the inner model would save itself, without the attribute's name
+    renamed, prefix = to_module_names(inner, expected, module)
+    assert prefix == "model." and renamed.keys() == expected
+    renamed, prefix = to_module_names(module.state_dict(), expected, module)
+    assert prefix == "" and renamed.keys() == expected
+    # one block's weights, explicitly into the second block
+    block = module.model.blocks[0].state_dict()
+    renamed, prefix = to_module_names(block, expected, module, prefix="model.blocks.1.")
+    assert prefix == "model.blocks.1." and renamed.keys() == module.model.blocks[1].state_dict(prefix=prefix).keys()
+    blocks = r"\['model.blocks.0.', 'model.blocks.1.', 'model.blocks.2.'\]"
+    with pytest.raises(ValueError, match=rf"equally under the prefixes {blocks}; pass prefix="):
+        to_module_names(block, expected, module)
+    with pytest.raises(ValueError, match=r"none of the 2 names .* TinyModule under prefix 'model.'.*\['a', 'b'\]"):
+        to_module_names({"a": 0, "b": 1}, expected, module, prefix="model.")
+
+
+def test_weights_of_which_no_name_matches_are_refused_even_when_not_strict(tmp_path):
+    path = tmp_path / "other.pt"
+    torch.save({"encoder.weight": torch.zeros(3), "encoder.bias": torch.zeros(3)}, path)
+    with pytest.raises((ValueError, ProcessRaisedException), match=r"none of the 2 names .* TinyModule under any of its"
+                       r" submodule prefixes: the weights hold \['encoder.bias', 'encoder.weight'\]"):
+        train_from(tmp_path, path, {}, strict=False)

@@ -18,13 +18,13 @@ from tiny import SEQ, VOCAB, Probe, TinyModule, read_probe, token_loader
 
 
 def fit(tmp_path, strategy, *, devices=2, precision="32-true", batch_size=4, max_steps=12, optimizer="adamw", accumulate=2,
-        module=None, **kw):
+        module=None, callbacks=(), **kw):
     pl.seed_everything(7)
     module = module or TinyModule(optimizer)
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, precision=precision, max_steps=max_steps,
-        accumulate_grad_batches=accumulate, gradient_clip_val=0.84, callbacks=[Probe(tmp_path)], logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kw,
+        accumulate_grad_batches=accumulate, gradient_clip_val=0.84, callbacks=[Probe(tmp_path), *callbacks],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kw,
     )
     trainer.fit(module, train_dataloaders=token_loader(batch_size=batch_size))
     return trainer, module

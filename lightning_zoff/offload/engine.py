@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zoff import ops
-from lightning_zoff._compat import all_gather_streams, before_reduce
+from lightning_zoff._compat import all_gather_streams, before_reduce, restore_post_backward
 from lightning_zoff.offload.budget import check_host_budget
 from lightning_zoff.offload.buffers import host_empty
 from lightning_zoff.offload.layout import ParamSlot, UnitLayout, unit_layout
@@ -253,6 +253,9 @@ class OffloadEngine:
         self.copy_stream = torch.cuda.Stream(self.param_device) if on_cuda else None  # D2H, FSDP2's hook runs here
         self.h2d_stream = torch.cuda.Stream(self.param_device) if on_cuda else None
         self.worker = HostWorker() if self.overlap else None
+        self._switch_interval = sys.getswitchinterval()  # what `close` restores
+        self._gate_hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._closed = False
         if self.worker is not None:
             # The worker needs the GIL for a moment between kernels; by default Python hands it over only every
             # 5 ms, and a unit's landing and update are several calls. Hand it over 10x sooner.
@@ -336,7 +339,8 @@ class OffloadEngine:
             module.set_force_sum_reduction_for_comms(True)  # gloo has no AVG; the 1/world goes into the step
             module.set_all_reduce_hook(lambda flat, unit=unit: self._on_unit_reduced(unit, flat), stream=self.copy_stream)
             # prepend: before FSDP2's own pre-forward, whose all-gather reads the sharded parameters
-            module.register_forward_pre_hook(lambda *_, unit=unit, module=module: self._gate(unit, module), prepend=True)
+            self._gate_hooks.append(module.register_forward_pre_hook(
+                lambda *_, unit=unit, module=module: self._gate(unit, module), prepend=True))
 
     def begin_backward(self, window_ends: bool, loss_scale: float = 1.0) -> None:
         """Called before each backward; `window_ends`: it is the window's last (Lightning steps right after)."""
@@ -669,6 +673,48 @@ class OffloadEngine:
             "host_bytes_per_param": host_total / max(local_numel, 1),
             "host_bytes_per_trained_param": host_total / max(trained_numel, 1),
         }
+
+    # -- lifetime -------------------------------------------------------------------------------------------
+
+    def fp32_shards(self) -> dict[int, torch.Tensor]:
+        """Copies of this rank's fp32 master rows of every sharded parameter of the units, by id of the parameter:
+        the `masters` an engine for a later optimizer over the same units starts from."""
+        self.wait_idle()
+        shards = {}
+        for unit in self.units:
+            trained = {id(p.slot.param): p for p in unit.trained}
+            for param in [*(slot.param for slot in unit.layout.slots), *unit.layout.frozen]:
+                local = param.to_local()
+                if id(param) in trained:  # its master; the others have only their value on the accelerator
+                    shards[id(param)] = unit.rows(trained[id(param)], unit.master).view(local.shape).clone()
+                else:
+                    shards[id(param)] = local.detach().to(self.state_device, torch.float32, copy=True)
+        return shards
+
+    def close(self) -> None:
+        """Retire the engine: wait for its work, remove its forward gates, end its worker, restore the switch
+        interval and let go of its host buffers. FSDP2's reduce hooks cannot be removed; they are pointed at one that
+        refuses (and holds no buffer) until the next engine's `attach` replaces them. Closing again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait_idle()
+        finally:
+            for hook in self._gate_hooks:
+                hook.remove()
+            self._gate_hooks.clear()
+            for module in self._modules:
+                module.set_all_reduce_hook(_refuse_backward)
+                restore_post_backward(module)
+            if self.worker is not None:
+                self.worker.close()
+                sys.setswitchinterval(self._switch_interval)
+            self.units, self._modules, self._landed_order = [], [], []
+
+
+def _refuse_backward(flat_grad: torch.Tensor) -> None:
+    raise RuntimeError("zoff: a backward reached a closed OffloadEngine; the strategy builds a new one for each fit.")
 
 
 def _warn_if_bf16_moments_cannot_decay(rule: UpdateRule, optimizer: torch.optim.Optimizer) -> None:

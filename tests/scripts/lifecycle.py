@@ -28,7 +28,8 @@ if __name__ == "__main__":
     val = trainer.validate(module, token_loader(n=16, seed=1))[0]["val_loss"]
     test = trainer.test(module, token_loader(n=16, seed=1))[0]["test_loss"]
     preds = trainer.predict(module, token_loader(n=16, seed=1))
-    trainer.fit_loop.epoch_loop.max_steps = 12  # fitting again continues with the same sharded model and optimizer state
+    # fitting again: the same sharded weights, a fresh optimizer from configure_optimizers (as under DDP)
+    trainer.fit_loop.epoch_loop.max_steps = 12
     trainer.fit(module, token_loader(n=64))
     result = {"val": val, "test": test, "n_preds": sum(len(p) for p in preds), "global_step": trainer.global_step,
               "losses": module.losses, "sampler": type(trainer.train_dataloader.sampler).__name__}
