@@ -34,6 +34,7 @@ from lightning_zoff.checkpoint import (
 )
 from lightning_zoff.cpus import CpuLayout, apply_layout, plan_layout, torch_threads
 from lightning_zoff.launchers import ZoffMultiProcessingLauncher
+from lightning_zoff.node_log import log_for_node, speak_for_node
 from lightning_zoff.offload import OffloadEngine, StepOutcome, describe_memory
 from lightning_zoff.precision import ZoffPrecision
 from lightning_zoff.schedulers import SkipAwareScheduler
@@ -234,14 +235,22 @@ class ZoffStrategy(ParallelStrategy):
         self.set_world_ranks()
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout)
+        speak_for_node(self.local_rank)
         on_gpu = self.root_device.type == "cuda"
         self._cpu_layout = self._plan_cpu_layout()
         if on_gpu and self.offload:
             # each rank of the node on its own cores, torch's pool shrunk to what the kernels leave (on CPU
             # machines torch's threads do the training itself, so they keep the process's cores)
             apply_layout(self._cpu_layout)
-        log.info("zoff rank %d (local %d of %d): %s%s", self.global_rank, self.local_rank, self.num_processes,
-                 self._cpu_layout.describe(), "" if on_gpu and self.offload else " (planned, not pinned: torch trains here)")
+            binding = "bound to these cores"
+        elif on_gpu:
+            binding = "not bound to these cores: the optimizer runs on the accelerator (offload=False)"
+        else:
+            binding = (f"not bound to these cores: the model trains on the CPU, so zoff leaves the process's cores and"
+                       f" torch's threads ({torch.get_num_threads()} now) as they are; this share sizes only the"
+                       f" optimizer's threads")
+        log.debug("zoff rank %d (local %d of %d): %s; %s", self.global_rank, self.local_rank, self.num_processes,
+                  self._cpu_layout.describe(), binding)
 
     # -- model and optimizer --------------------------------------------------------------------------------
 
@@ -373,8 +382,8 @@ class ZoffStrategy(ParallelStrategy):
     def _log_memory(self) -> None:
         assert self.engine is not None
         self.memory_report = self.engine.memory_report()
-        log.info("zoff rank %d: %d CPU threads for the optimizer; memory: %s", self.global_rank, self.engine.threads,
-                 describe_memory(self.memory_report))
+        line = f"{self.engine.threads} CPU threads for the optimizer; memory: {describe_memory(self.memory_report)}"
+        log_for_node(line, self.global_rank, self.local_rank, self.num_processes)
 
     # -- the training step ----------------------------------------------------------------------------------
 
