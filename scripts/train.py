@@ -119,8 +119,8 @@ def check_empty_init(strategy: pl.strategies.Strategy, empty_init: bool) -> None
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     # The ranks are forked from this process (strategy start_method: fork). GNU OpenMP cannot fork once its thread
-    # pool has started: the child's first parallel region would wait forever. In a sweep, this process runs every
-    # job and loads each job's trained weights, so it stays single-threaded; Finish.setup gives the ranks theirs.
+    # pool has started: the child's first parallel region would wait forever. In a sweep, this process forks the
+    # ranks of every job, so it stays single-threaded; Finish.setup gives the ranks theirs.
     torch.set_num_threads(1)
     # Hydra has configured logging (console and the job's train.log); zoff's own stderr handler would print twice
     logging.getLogger("lightning_zoff").handlers.clear()

@@ -54,7 +54,8 @@ def test_class_path_variant_sets_the_options():
 def test_hugging_face_model_from_yaml_trains(tmp_path):
     # in this process, the ranks forked (zoff_class_path.yaml): the command-line run is the GPT test's above
     cli = main(["fit", "--config", str(CLI / "hf_qwen3_tiny.yaml"), "--config", str(CLI / "zoff_class_path.yaml"),
-                "--trainer.max_steps=2", "--trainer.limit_val_batches=0", "--trainer.logger=false",
+                "--trainer.strategy.init_args.weights_to_main_process=true", "--trainer.max_steps=2",
+                "--trainer.limit_val_batches=0", "--trainer.logger=false",
                 "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
                 f"--trainer.default_root_dir={tmp_path}", "--data.init_args.max_bytes=100000"])
     module = cli.model
