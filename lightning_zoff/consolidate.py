@@ -13,6 +13,7 @@ import argparse
 import os
 import struct
 import sys
+import warnings
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,7 +57,9 @@ def consolidate(ckpt_dir: str | Path, out_file: str | Path, buffer_mb: int = 256
     with open(partial, "r+b") as f:
         for batch in _batches(names, skeleton["state_dict"], buffer_mb << 20):
             loaded = {name: torch.empty(shapes[name][0], dtype=shapes[name][1]) for name in batch}
-            dcp.load({"state_dict": loaded}, storage_reader=reader, checkpoint_id=src)
+            with warnings.catch_warnings():  # its note that this process runs alone would cut into the bar
+                warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+                dcp.load({"state_dict": loaded}, storage_reader=reader, checkpoint_id=src)
             for name, tensor in loaded.items():
                 _write_at(f.fileno(), tensor, offsets[name])
                 bar.update(tensor.nbytes)

@@ -1,24 +1,118 @@
-"""Multiprocessing launcher that hands the trained fp32 weights, not DTensor shards, back to the main process."""
+"""How zoff's ranks start, and what reaches the main process when they end.
+
+The multiprocessing launcher (fork/spawn/forkserver) hands back the run's state and metrics, the trained fp32 weights
+only when asked (``ZoffStrategy(weights_to_main_process=True)``), a rank's exception as that exception, and, when the
+OS kills a rank, how much memory it had used. Both launchers refuse what zoff cannot train before any rank starts.
+"""
 
 from __future__ import annotations
 
+import inspect
 import os
+import pickle
+import shutil
 import tempfile
-from typing import Any
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
 
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 from lightning_zoff.checkpoint import param_names
+from lightning_zoff.offload.budget import _meminfo_bytes
+
+# Set on the main process's LightningModule after a fit whose trained weights stayed in the ranks: it still holds
+# the weights it had before that fit. Loading weights into it clears the mark.
+_WEIGHTS_IN_RANKS = "_zoff_weights_in_ranks"
+
+
+class RankTraceback(Exception):
+    """The traceback of an exception raised in a rank, shown as the cause of that exception in the main process."""
+
+
+class ZoffSubprocessScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's default launcher (re-runs the command per rank), checking first what can be checked here."""
+
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        _check_supported(trainer)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
 class ZoffMultiProcessingLauncher(_MultiProcessingLauncher):
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        _check_supported(trainer)
+        if trainer is not None:
+            _check_weights_current(function, args, kwargs, trainer)
+        self._error_dir = tempfile.mkdtemp(prefix="zoff-errors-")
+        self._peak_rss: _PeakRss | None = None
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        except ProcessExitedException as err:
+            if err.signal_name != "SIGKILL":
+                raise
+            raise ProcessExitedException(self._killed_message(err), err.error_index, err.error_pid, err.exit_code,
+                                         err.signal_name) from None
+        except ProcessRaisedException as err:
+            raised = _load_error(self._error_dir, err.error_index)
+            if raised is None:  # the exception did not survive pickling: torch's report, with the traceback text
+                raise
+            error, text = raised
+            raise error from RankTraceback(f"raised in rank {self._global_rank(err.error_index)}:\n{text}")
+        finally:
+            shutil.rmtree(self._error_dir, ignore_errors=True)
+
+    @property
+    def procs(self) -> list[Any]:
+        return self._procs
+
+    @procs.setter
+    def procs(self, procs: list[Any]) -> None:
+        # Lightning's launch sets the ranks here right after starting them, then waits for them: the first moment a
+        # thread can watch them (a process with threads should not fork)
+        self._procs = procs
+        if procs:
+            self._peak_rss = _PeakRss([p.pid for p in procs])
+
+    def __getstate__(self) -> dict:
+        # spawn pickles the launcher into every rank: not the previous run's processes or its watching thread
+        return {**super().__getstate__(), "_procs": [], "_peak_rss": None}
+
+    def _wrapping_function(self, process_idx: int, *args: Any) -> None:
+        try:
+            super()._wrapping_function(process_idx, *args)
+        except Exception as err:  # for the main process to raise it as it is; torch's wrapper reports it too
+            _save_error(self._error_dir, process_idx, err)
+            raise
+
+    def _global_rank(self, process_idx: int) -> int:
+        return self._strategy.node_rank * self._strategy.num_processes + process_idx
+
+    def _killed_message(self, err: ProcessExitedException) -> str:
+        peaks = self._peak_rss.peaks if self._peak_rss is not None else {}
+        mb = 2**20
+        used = ", ".join(f"rank {self._global_rank(i)} {peaks[p.pid] / mb:,.0f} MB" for i, p in enumerate(self.procs)
+                         if peaks.get(p.pid))
+        total = _meminfo_bytes("MemTotal")
+        return (
+            f"rank {self._global_rank(err.error_index)} (pid {err.error_pid}) was killed by SIGKILL: most likely the"
+            " host ran out of memory and the kernel's out-of-memory killer stopped it (`dmesg | grep -i oom` shows it"
+            " where permitted). Peak resident memory, read every 0.1 s while the ranks ran: "
+            + (used or "not readable here (no /proc)")
+            + (f"; the machine has {total / mb:,.0f} MB in all, shared by every process on it" if total else "")
+            + ". To need less host memory: ZoffStrategy(overlap=False), optimizer_state_dtype='bf16', fewer ranks per"
+            " node or more nodes (README: 'What fits')."
+        )
+
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> _WorkerOutput | None:
-        # The base class pickles `lightning_module.state_dict()`: sharded DTensors the main process cannot load.
-        # We gather the fp32 masters instead (a collective, so every rank runs it).
+        # Lightning pickles `lightning_module.state_dict()`: sharded DTensors the main process cannot load. Asked for
+        # the weights, we gather the fp32 masters instead (a collective: every rank runs it and holds them all).
         fitted = trainer.state.fn == TrainerFn.FITTING and self._strategy.engine is not None
-        state_dict = self._strategy.full_state_dict() if fitted else None
+        state_dict = self._strategy.full_state_dict() if fitted and self._strategy.weights_to_main_process else None
         if self._strategy.local_rank != 0:
             return None
         weights_path = None
@@ -30,8 +124,12 @@ class ZoffMultiProcessingLauncher(_MultiProcessingLauncher):
         return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
 
     def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: Any) -> None:
-        # A model built on the meta device (empty_init=True) has no memory to copy the weights into: give it theirs.
         module = trainer.lightning_module
+        kept = trainer.state.fn == TrainerFn.FITTING and worker_output.weights_path is None
+        if kept and not getattr(module, _WEIGHTS_IN_RANKS, False):
+            setattr(module, _WEIGHTS_IN_RANKS, True)
+            module.register_load_state_dict_post_hook(_weights_loaded)
+        # A model built on the meta device (empty_init=True) has no memory to copy the weights into: give it theirs.
         if worker_output.weights_path is not None and any(p.is_meta for p in module.parameters()):
             tied = [names for names in param_names(module).values() if len(names) > 1]
             state = self._strategy.checkpoint_io.load_checkpoint(worker_output.weights_path)
@@ -44,3 +142,73 @@ class ZoffMultiProcessingLauncher(_MultiProcessingLauncher):
             worker_output = worker_output._replace(weights_path=None)  # loaded: the base class must not again
         super()._recover_results_in_main_process(worker_output, trainer)
 
+
+def _check_supported(trainer: Any) -> None:
+    # what the strategy's setup would refuse in every rank, known here already: refused before any rank starts
+    if trainer is not None and trainer.lightning_module is not None:
+        trainer.strategy._check_supported(trainer, trainer.lightning_module)
+
+
+def _check_weights_current(function: Callable, args: Any, kwargs: Any, trainer: Any) -> None:
+    """Refuse to run a module whose trained weights stayed in the ranks of an earlier fit: it would silently continue
+    from (or evaluate) the weights it had before that fit. A checkpoint to load, or no module given (Lightning then
+    loads the best checkpoint), is fine."""
+    call = inspect.signature(function).bind(*args, **kwargs).arguments
+    module = call.get("model")
+    if module is None or not getattr(module, _WEIGHTS_IN_RANKS, False) or call.get("ckpt_path") is not None:
+        return
+    if trainer.ckpt_path is not None:  # set by the user (`trainer.ckpt_path = ...`): Lightning loads it
+        return
+    fn = trainer.state.fn.value if trainer.state.fn is not None else "run"
+    raise RuntimeError(
+        f"{type(module).__name__} was trained by an earlier fit whose ranks kept the trained weights"
+        " (ZoffStrategy(weights_to_main_process=False), the default): this process still holds the weights it had"
+        f" before that fit. Pass `{fn}(..., ckpt_path=...)` with a checkpoint of that fit (a path, or 'best' with a"
+        " ModelCheckpoint), load the trained weights into the module (`load_state_dict`), or fit with"
+        " ZoffStrategy(weights_to_main_process=True)."
+    )
+
+
+def _weights_loaded(module: Any, incompatible_keys: Any) -> None:
+    module.__dict__.pop(_WEIGHTS_IN_RANKS, None)
+
+
+def _save_error(error_dir: str, process_idx: int, err: Exception) -> None:
+    text = "".join(traceback.format_exception(err))
+    try:
+        payload = pickle.dumps((err, text))
+    except Exception:  # an exception that cannot be pickled reaches the main process as torch's report
+        return
+    Path(error_dir, str(process_idx)).write_bytes(payload)
+
+
+def _load_error(error_dir: str, process_idx: int) -> tuple[Exception, str] | None:
+    try:
+        return pickle.loads(Path(error_dir, str(process_idx)).read_bytes())
+    except Exception:  # not written, or its class cannot be rebuilt here
+        return None
+
+
+class _PeakRss(threading.Thread):
+    """Reads each process's peak resident memory (VmHWM) every 0.1 s while it lives: once the OS has killed one, the
+    last reading says what it had used (a killed process leaves no figure behind to ask for)."""
+
+    def __init__(self, pids: list[int]) -> None:
+        super().__init__(name="zoff-peak-rss", daemon=True)
+        self.peaks = dict.fromkeys(pids, 0)
+        self.start()
+
+    def run(self) -> None:
+        while any([self._read(pid) for pid in self.peaks]):  # a list: read every process, not up to the first
+            time.sleep(0.1)
+
+    def _read(self, pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/status") as status:
+                for line in status:
+                    if line.startswith("VmHWM:"):
+                        self.peaks[pid] = max(self.peaks[pid], int(line.split()[1]) * 1024)
+                        return True
+        except OSError:
+            pass
+        return False  # gone, or a zombie (no memory left to read)

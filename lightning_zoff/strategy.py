@@ -19,7 +19,6 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -33,7 +32,8 @@ from lightning_zoff.checkpoint import (
     sharded_optimizer_state, state_mesh, unmatched_keys, weight_targets,
 )
 from lightning_zoff.cpus import CpuLayout, apply_layout, plan_layout, torch_threads
-from lightning_zoff.launchers import ZoffMultiProcessingLauncher
+from lightning_zoff.launchers import ZoffMultiProcessingLauncher, ZoffSubprocessScriptLauncher
+from lightning_zoff.node_log import log_for_node, speak_for_node
 from lightning_zoff.offload import OffloadEngine, StepOutcome, describe_memory
 from lightning_zoff.precision import ZoffPrecision
 from lightning_zoff.pretrained import read_weights, to_module_names
@@ -69,6 +69,12 @@ class ZoffStrategy(ParallelStrategy):
             kept (torch's composable `checkpoint`, applied before sharding; parameter names do not change).
         start_method: ``"subprocess"`` re-runs the script per rank (Lightning's default); ``"fork"``/``"spawn"``
             start ranks with multiprocessing (fork is the fast choice for CPU tests).
+        weights_to_main_process: with ``"fork"``/``"spawn"``/``"forkserver"``: after ``fit``, gather the trained fp32
+            weights and load them into the main process's LightningModule, as Lightning's DDP does. Off by default:
+            every rank then holds the whole model next to its optimizer state, the very memory a model needs zoff
+            for. Without them the main process gets the run's state and metrics; a later fit, validate, test or
+            predict of that module there must load a checkpoint (``ckpt_path=``) and is refused otherwise. With
+            ``"subprocess"`` the main process is rank 0 and keeps its trained shards.
         pin_memory: pin host buffers (falls back to pageable memory with a warning when the OS refuses).
         grad_accum_dtype: dtype of the host sum of an accumulation window: ``"fp32"`` (exact for 16-bit
             micro-gradients) or the model's 16-bit dtype (``"bf16"``/``"fp16"``: half the host bytes).
@@ -113,6 +119,7 @@ class ZoffStrategy(ParallelStrategy):
         wrap_policy: set[type[nn.Module]] | list[type[nn.Module]] | None = None,
         activation_checkpointing_policy: set[type[nn.Module]] | list[type[nn.Module]] | None = None,
         start_method: StartMethod = "subprocess",
+        weights_to_main_process: bool = False,
         pin_memory: bool = True,
         grad_accum_dtype: Literal["fp32", "bf16", "fp16"] = "fp32",
         optimizer_state_dtype: Literal["fp32", "bf16"] = "fp32",
@@ -127,7 +134,7 @@ class ZoffStrategy(ParallelStrategy):
     ) -> None:
         if start_method not in ("subprocess", "fork", "spawn", "forkserver"):
             raise ValueError(f"start_method={start_method!r}; choose 'subprocess', 'fork', 'spawn' or 'forkserver'.")
-        _check_option_types(offload=offload, pin_memory=pin_memory,
+        _check_option_types(offload=offload, pin_memory=pin_memory, weights_to_main_process=weights_to_main_process,
                             retain_gpu_grad_partition_until_step=retain_gpu_grad_partition_until_step,
                             cpu_threads=cpu_threads)
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
@@ -135,6 +142,7 @@ class ZoffStrategy(ParallelStrategy):
         self.wrap_policy = set(wrap_policy) if wrap_policy else None
         self.activation_checkpointing_policy = set(activation_checkpointing_policy or ())
         self.start_method = start_method
+        self.weights_to_main_process = weights_to_main_process
         self.pin_memory = bool(pin_memory)
         if grad_accum_dtype not in _ACCUM_DTYPES:
             raise ValueError(f"grad_accum_dtype={grad_accum_dtype!r}; choose one of {sorted(_ACCUM_DTYPES)}.")
@@ -219,7 +227,7 @@ class ZoffStrategy(ParallelStrategy):
         if self.cluster_environment.creates_processes_externally:
             return
         if self.start_method == "subprocess":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = ZoffSubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = ZoffMultiProcessingLauncher(self, start_method=self.start_method)
 
@@ -235,14 +243,22 @@ class ZoffStrategy(ParallelStrategy):
         self.set_world_ranks()
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout)
+        speak_for_node(self.local_rank)
         on_gpu = self.root_device.type == "cuda"
         self._cpu_layout = self._plan_cpu_layout()
         if on_gpu and self.offload:
             # each rank of the node on its own cores, torch's pool shrunk to what the kernels leave (on CPU
             # machines torch's threads do the training itself, so they keep the process's cores)
             apply_layout(self._cpu_layout)
-        log.info("zoff rank %d (local %d of %d): %s%s", self.global_rank, self.local_rank, self.num_processes,
-                 self._cpu_layout.describe(), "" if on_gpu and self.offload else " (planned, not pinned: torch trains here)")
+            binding = "bound to these cores"
+        elif on_gpu:
+            binding = "not bound to these cores: the optimizer runs on the accelerator (offload=False)"
+        else:
+            binding = (f"not bound to these cores: the model trains on the CPU, so zoff leaves the process's cores and"
+                       f" torch's threads ({torch.get_num_threads()} now) as they are; this share sizes only the"
+                       f" optimizer's threads")
+        log.debug("zoff rank %d (local %d of %d): %s; %s", self.global_rank, self.local_rank, self.num_processes,
+                  self._cpu_layout.describe(), binding)
 
     # -- model and optimizer --------------------------------------------------------------------------------
 
@@ -388,8 +404,8 @@ class ZoffStrategy(ParallelStrategy):
     def _log_memory(self) -> None:
         assert self.engine is not None
         self.memory_report = self.engine.memory_report()
-        log.info("zoff rank %d: %d CPU threads for the optimizer; memory: %s", self.global_rank, self.engine.threads,
-                 describe_memory(self.memory_report))
+        line = f"{self.engine.threads} CPU threads for the optimizer; memory: {describe_memory(self.memory_report)}"
+        log_for_node(line, self.global_rank, self.local_rank, self.num_processes)
 
     # -- the training step ----------------------------------------------------------------------------------
 

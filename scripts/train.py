@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import re
+import resource
 import sys
 from pathlib import Path
 
@@ -25,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hydra
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
@@ -69,10 +71,16 @@ class Finish(pl.Callback):
                                          top_k=sample.top_k)
 
     def on_fit_end(self, trainer, pl_module):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # bytes (Linux counts KiB)
+        peaks = [peak]
+        if dist.is_available() and dist.is_initialized():  # every rank's, for rank 0 to print
+            peaks = [None] * dist.get_world_size()
+            dist.all_gather_object(peaks, peak)
         if not trainer.is_global_zero:
             return
         self.history.plot(self.run_dir / "loss.png")
         print(self.breakdown.summary())
+        print("peak host memory (resident): " + ", ".join(f"rank {r} {b / 2**30:.2f} GiB" for r, b in enumerate(peaks)))
         if self.checkpoint is not None:
             print(f"checkpoint: {self.checkpoint}")
         print(f"loss curve: {self.run_dir / 'loss.png'}")
@@ -119,8 +127,8 @@ def check_empty_init(strategy: pl.strategies.Strategy, empty_init: bool) -> None
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     # The ranks are forked from this process (strategy start_method: fork). GNU OpenMP cannot fork once its thread
-    # pool has started: the child's first parallel region would wait forever. In a sweep, this process runs every
-    # job and loads each job's trained weights, so it stays single-threaded; Finish.setup gives the ranks theirs.
+    # pool has started: the child's first parallel region would wait forever. In a sweep, this process forks the
+    # ranks of every job, so it stays single-threaded; Finish.setup gives the ranks theirs.
     torch.set_num_threads(1)
     # Hydra has configured logging (console and the job's train.log); zoff's own stderr handler would print twice
     logging.getLogger("lightning_zoff").handlers.clear()

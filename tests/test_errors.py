@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
+from contextlib import contextmanager
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from torch.multiprocessing import ProcessRaisedException
 
 from lightning_zoff import ZoffPrecision, ZoffStrategy
 from tiny import TinyModule, token_loader
@@ -31,17 +34,24 @@ class Manual(NoStep):
         self.automatic_optimization = False
 
 
-def run(module, devices=1, **trainer_kwargs):
-    trainer = pl.Trainer(
+def forked_trainer(devices=1, **trainer_kwargs):
+    return pl.Trainer(
         accelerator="cpu", devices=devices, strategy=ZoffStrategy(start_method="fork"), max_steps=2, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs,
     )
-    trainer.fit(module, token_loader(n=16))
 
 
+def run(module, devices=1, **trainer_kwargs):
+    forked_trainer(devices, **trainer_kwargs).fit(module, token_loader(n=16))
+
+
+@contextmanager
 def fails(error: type[Exception], match: str):
-    """The error, raised in the worker process the fork launcher started (it arrives wrapped, message kept)."""
-    return pytest.raises((error, ProcessRaisedException), match=f"{error.__name__}: .*{match}|^{match}")
+    """The error as zoff raised it, in a rank or before the ranks started: the caller gets that very exception (type
+    and message; a rank's traceback is its cause), so the message is the whole text it reads."""
+    with pytest.raises(error, match=match) as info:
+        yield
+    assert type(info.value) is error and "Traceback" not in str(info.value)
 
 
 def test_unsupported_optimizer_names_the_supported():
@@ -55,13 +65,32 @@ def test_two_optimizers():
 
 
 def test_clip_by_value():
+    trainer = forked_trainer(gradient_clip_val=1.0, gradient_clip_algorithm="value")
     with fails(ValueError, "gradient_clip_algorithm='norm'"):
-        run(NoStep(), gradient_clip_val=1.0, gradient_clip_algorithm="value")
+        trainer.fit(NoStep(), token_loader(n=16))
+    assert trainer.strategy.launcher.procs == []  # refused before any rank started
 
 
 def test_manual_optimization():
+    trainer = forked_trainer()
     with fails(ValueError, "automatic optimization"):
-        run(Manual())
+        trainer.fit(Manual(), token_loader(n=16))
+    assert trainer.strategy.launcher.procs == []
+
+
+@pytest.mark.parametrize("mistake,last_line", [
+    # known before the ranks start: refused in the main process, so no rank prints a traceback of its own
+    ("manual", "ValueError: strategy='zoff' supports automatic optimization only"),
+    # known in the ranks only (configure_optimizers): the main process is rank 0 and its message comes last
+    ("sgd", "[rank0]: TypeError: strategy='zoff' runs the optimizer step on the CPU and supports"),
+])
+def test_default_launcher_ends_with_the_message(tmp_path, mistake, last_line):
+    script = Path(__file__).parent / "scripts" / "refused.py"
+    proc = subprocess.run([sys.executable, str(script), mistake], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.rstrip().splitlines()[-1].startswith(last_line), proc.stderr[-3000:]
+    if mistake == "manual":
+        assert "[rank" not in proc.stderr and "Initializing distributed" not in proc.stderr
 
 
 def test_precision_64_is_refused_at_trainer_construction():

@@ -228,8 +228,8 @@ class TieCheck(pl.Callback):
 def test_tied_embeddings_train_like_ddp_and_stay_tied(tmp_path):
     ref_out, zoff_out = tmp_path / "ddp", tmp_path / "zoff"
     _, ref = fit(ref_out, DDPStrategy(start_method="fork"), Recorded("qwen3_tiny", lr=3e-3))
-    _, module = fit(zoff_out, ZoffStrategy(start_method="fork"), Recorded("qwen3_tiny", lr=3e-3),
-                    callbacks=[TieCheck(zoff_out)])
+    _, module = fit(zoff_out, ZoffStrategy(start_method="fork", weights_to_main_process=True),
+                    Recorded("qwen3_tiny", lr=3e-3), callbacks=[TieCheck(zoff_out)])
     zoff, ddp = read_probe(zoff_out), read_probe(ref_out)
     assert len(zoff["losses"]) == 12 and rel_err(zoff["losses"], ddp["losses"]) < 1e-5
     assert zoff["losses"][-1] < zoff["losses"][0] - 0.5
@@ -262,7 +262,8 @@ def test_meta_built_hf_model_trains_on_two_ranks(tmp_path):
         assert all(t.is_meta for t in [*module.parameters(), *module.buffers()])  # nothing allocated here
         return module
 
-    _, module = fit(tmp_path, ZoffStrategy(start_method="fork"), trainer_hook=build_on_meta, max_steps=10,
+    _, module = fit(tmp_path, ZoffStrategy(start_method="fork", weights_to_main_process=True),
+                    trainer_hook=build_on_meta, max_steps=10,
                     callbacks=[BufferCheck(tmp_path, "qwen3_tiny")])
     for rank in (0, 1):
         same = json.loads((tmp_path / f"buffers{rank}.json").read_text())

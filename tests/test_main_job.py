@@ -56,6 +56,8 @@ def test_one_job(tmp_path):
     breakdown = out[out.index("step breakdown (rank 0, steps 2-3, mean per step)"):]
     for phase in ("forward", "backward", "exposed optimizer", "cpu update", "host traffic"):
         assert f"\n  {phase} " in breakdown, phase
+    peaks = re.search(r"\npeak host memory \(resident\): rank 0 (\d+\.\d\d) GiB, rank 1 (\d+\.\d\d) GiB\n", out)
+    assert all(0.1 < float(gib) < 4 for gib in peaks.groups())  # gpt_tiny: torch and Python, a few MB of state
     checkpoint = Path(out.split("checkpoint: ")[1].split("\n")[0])
     run_dir = checkpoint.parents[1]
     assert run_dir.parent.parent == tmp_path / "outputs"  # outputs/<date>/<time>/

@@ -43,7 +43,7 @@ def ddp_losses(tmp_path_factory):
 
 
 def test_zoff_matches_ddp_adamw_fp32(tmp_path, ddp_losses):
-    trainer, module = fit(tmp_path, ZoffStrategy(start_method="fork"))
+    trainer, module = fit(tmp_path, ZoffStrategy(start_method="fork", weights_to_main_process=True))
     zoff = read_probe(tmp_path)
     assert len(zoff["losses"]) == len(ddp_losses["losses"]) == 24  # 12 steps x 2 micro-batches
     assert rel_err(zoff["losses"], ddp_losses["losses"]) < 1e-5
@@ -163,8 +163,10 @@ def test_accumulating_on_the_accelerator_gives_the_same_bits(tmp_path, retain):
     host, accel = tmp_path / "host", tmp_path / "accel"
     host.mkdir()
     accel.mkdir()
-    _, host_module = fit(host, ZoffStrategy(start_method="fork"), precision="bf16-true", accumulate=3, max_steps=5)
-    _, accel_module = fit(accel, ZoffStrategy(start_method="fork", grad_accum_on="accelerator",
+    _, host_module = fit(host, ZoffStrategy(start_method="fork", weights_to_main_process=True), precision="bf16-true",
+                         accumulate=3, max_steps=5)
+    _, accel_module = fit(accel, ZoffStrategy(start_method="fork", weights_to_main_process=True,
+                                              grad_accum_on="accelerator",
                                               retain_gpu_grad_partition_until_step=retain),
                           precision="bf16-true", accumulate=3, max_steps=5)
     assert read_probe(accel)["losses"] == read_probe(host)["losses"]
@@ -247,8 +249,8 @@ def test_model_built_in_configure_model_trains_like_one_built_in_init(tmp_path):
 def test_empty_init_builds_on_meta_and_each_rank_initialises_its_units(tmp_path):
     pl.seed_everything(7)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=ZoffStrategy(start_method="fork"), max_steps=12,
-        accumulate_grad_batches=2, callbacks=[Probe(tmp_path)], logger=False, enable_checkpointing=False,
+        accelerator="cpu", devices=2, strategy=ZoffStrategy(start_method="fork", weights_to_main_process=True),
+        max_steps=12, accumulate_grad_batches=2, callbacks=[Probe(tmp_path)], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
     )
     with trainer.init_module(empty_init=True):

@@ -29,7 +29,7 @@ _LDFLAGS = ("-fopenmp", "-l:libstdc++.so.6")
 # The CPU features the builds depend on; part of the cache key so a cache shared between machines never mixes them.
 _ISA_FLAGS = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"})
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("lightning_zoff")  # one logger for all of zoff (node_log filters it)
 _lock = threading.Lock()
 _module: ModuleType | None = None
 

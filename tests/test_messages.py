@@ -1,0 +1,56 @@
+"""What zoff prints: once per node what every rank of it would say, and nothing cutting into a progress bar."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_zoff import ZoffStrategy
+from lightning_zoff.consolidate import consolidate
+from tiny import TinyModule, token_loader
+
+SCRIPT = Path(__file__).parent / "scripts" / "speak.py"
+
+
+def speak(*args: str) -> str:
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def test_the_ranks_of_a_node_speak_once():
+    out = speak()
+    # one memory report for both ranks (they hold the same): from the first rank of the node, naming both
+    assert len(re.findall(r"zoff ranks? [\d,-]+: 1 CPU threads for the optimizer; memory: local_params=", out)) == 1
+    assert "zoff ranks 0-1: 1 CPU threads" in out
+    assert out.count("a step decays such a moment by less than half a bf16 ulp") == 1  # a warning every rank raises
+    assert "(local 0 of 2)" not in out  # the CPU layout of each rank: debug
+
+
+def test_each_rank_says_its_own_cpu_layout_at_debug_level():
+    out = speak("debug")
+    for rank in (0, 1):
+        line = re.search(rf"zoff rank {rank} \(local {rank} of 2\): cores .*", out)[0]
+        assert "not bound to these cores: the model trains on the CPU" in line, line
+
+
+def test_consolidate_shows_only_its_progress(tmp_path, capsys):
+    pl.seed_everything(1)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ZoffStrategy(start_method="fork"), max_steps=1,
+                         logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)])
+    trainer.fit(TinyModule(), token_loader(n=8))
+    capsys.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        consolidate(tmp_path / "last.ckpt", tmp_path / "one.pt", progress=True)
+    assert [str(w.message) for w in caught] == []  # torch's "torch.distributed is disabled ..." among them before
+    assert "consolidate" in capsys.readouterr().err  # the bar
+    assert torch.load(tmp_path / "one.pt", weights_only=True)["state_dict"].keys() == TinyModule().state_dict().keys()
