@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 FORMAT_VERSION = 1
 META_FILE = "meta.pt"
@@ -112,7 +112,10 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, rank: int, barrier: Cal
         partial.mkdir()
     barrier()
     tensors, meta = _split(checkpoint)
-    dcp.save(tensors, checkpoint_id=partial)
+    # One file per tensor: DCP's writer keeps every tensor of a file alive until the file is done, and ours are views
+    # of the engine's flat buffers, which it clones first. With one file per rank that was a second copy of the whole
+    # checkpoint in host memory (the 7B GPT's main job was killed for it on a 128 GB host); per tensor it is one.
+    dcp.save(tensors, storage_writer=FileSystemWriter(partial, single_file_per_rank=False))
     if rank == 0:  # DCP returns on rank 0 once every rank's files are written
         _save_file(meta, partial / META_FILE)
         commit(partial, path)
