@@ -10,8 +10,8 @@ own units, so the host never holds the whole fp32 model next to the masters); De
 `configure_model` under `deepspeed.zero.Init` (partitioned as it is created). `--zoff-option key=value` (repeatable)
 sets ZoffStrategy options of every zoff run, over the variant's own.
 
-Prints a table and writes bench/results/<date>_<machine>.json:
-{"machine": ..., "runs": [{"name", "accumulate", "step_s_median", "tokens_per_s", "exposed_optimizer_s",
+Prints a table and writes bench/results/<date>_<machine>.json (bench/README.md collects them): {"machine": ...,
+"command": ..., "runs": [{"name", "accumulate", "step_s_median", "tokens_per_s", "exposed_optimizer_s",
 "peak_gpu_gb", "host_gb", "params"}, ...]}. "exposed_optimizer_s" is the median wall time from the end of the
 window's last backward (after clipping) to the end of the optimizer step: the time the GPU waits for the update.
 """
@@ -23,6 +23,7 @@ import datetime
 import json
 import platform
 import resource
+import shlex
 import socket
 import statistics
 import subprocess
@@ -255,6 +256,7 @@ def main() -> None:
     out = args.out or Path("bench/results") / f"{datetime.date.today()}_{socket.gethostname()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     runs = []
+    record = {"machine": machine, "command": shlex.join(["python", "scripts/bench.py", *sys.argv[1:]]), "runs": runs}
     for accumulate in args.accumulate:
         for name in args.runs:
             cmd = [sys.executable, __file__, "--one", name, "--model", args.model, "--accumulate", str(accumulate),
@@ -267,7 +269,7 @@ def main() -> None:
                 runs.append({"name": name, "accumulate": accumulate, "error": proc.stderr[-2000:]})
                 continue
             runs.append(json.loads(lines[-1][len("RESULT "):]))
-            out.write_text(json.dumps({"machine": machine, "runs": runs}, indent=1))  # a timeout keeps what ran
+            out.write_text(json.dumps(record, indent=1))  # a timeout keeps what ran
             r = runs[-1]
             print(f"{name:>18} acc={accumulate} step={r['step_s_median']:.3f}s tok/s={r['tokens_per_s']:.0f}"
                   f" exposed_opt={r['exposed_optimizer_s']:.3f}s peak_gpu={r['peak_gpu_gb']:.1f}GB"
@@ -287,7 +289,7 @@ def main() -> None:
         print(f"{r['name']:>18} {r['accumulate']:>4} {r['step_s_median']:>8.3f} {r['tokens_per_s']:>10.0f}"
               f" {r['exposed_optimizer_s']:>14.3f} {r['peak_gpu_gb']:>12.1f} {r['host_gb']:>8.1f}"
               f" {versus(r, 'gpu_only'):>12} {versus(r, 'deepspeed_zero3_offload'):>13}")
-    out.write_text(json.dumps({"machine": machine, "runs": runs}, indent=1))
+    out.write_text(json.dumps(record, indent=1))
     print(f"wrote {out}")
 
 

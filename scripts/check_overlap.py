@@ -5,25 +5,28 @@
 Trains the example GPT (bf16-mixed, clipping at a norm that some steps exceed, one step poisoned with inf so it is
 skipped) with `ZoffStrategy(overlap=False)`, then `overlap=True` with the worker's natural timing and with every
 speculation run before the decision, each in its own subprocess, and compares losses, step outcomes and the final
-fp32 masters bit for bit. Exits non-zero on any difference.
+fp32 masters bit for bit. Exits non-zero on any difference. tests/gpu/test_check_overlap.py asserts on `compare`'s
+summary.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from in_subprocess import call  # noqa: E402  (this directory is on sys.path)
+
 MODEL = dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256, lr=3e-3, weight_decay=0.1)
 BAD_STEP = 5
 MODES = {"sync": dict(overlap=False), "overlap": dict(overlap=True), "overlap_awaited": dict(overlap=True)}
+OVERLAPPED = ("overlap", "overlap_awaited")  # each compared with sync
 
 
-def run_mode(mode: str, steps: int, clip: float, accumulate: int, out: Path) -> None:
+def run_mode(mode: str, steps: int, clip: float, accumulate: int) -> dict:
     import lightning.pytorch as pl
     import torch
 
@@ -61,8 +64,33 @@ def run_mode(mode: str, steps: int, clip: float, accumulate: int, out: Path) -> 
     engine = trainer.strategy.engine
     engine.wait_idle()
     masters = torch.cat([u.master for u in engine.units])
-    torch.save({"losses": record.losses, "outcomes": record.outcomes, "masters": masters,
-                "speculations": dict(engine.speculations), "device": str(trainer.strategy.root_device)}, out)
+    return {"losses": record.losses, "outcomes": record.outcomes, "masters": masters,
+            "speculations": dict(engine.speculations), "device": str(trainer.strategy.root_device)}
+
+
+def compare(steps: int, clip: float | None = None, accumulate: int = 1) -> dict:
+    """The run's setting (steps skipped and clipped) and, per overlapped mode, whether it equals sync bit for bit.
+    `clip=None`: the median gradient norm of an unclipped run, so that some steps are clipped and some are not."""
+    import torch
+
+    def run(mode: str, clip: float) -> dict:
+        return call(run_mode, mode=mode, steps=steps, clip=clip, accumulate=accumulate)[0]
+
+    if clip is None:
+        norms = sorted(norm for skipped, _, norm in run("sync", 0.0)["outcomes"] if not skipped)
+        clip = norms[len(norms) // 2]
+    results = {mode: run(mode, clip) for mode in MODES}
+    sync = results["sync"]
+    clipped = [coef < 1.0 for skipped, coef, _ in sync["outcomes"] if not skipped]
+    summary = {"device": sync["device"], "steps": steps, "accumulate": accumulate, "clip": clip,
+               "skipped_steps": [i for i, o in enumerate(sync["outcomes"]) if o[0]],
+               "clipped_steps": sum(clipped), "unclipped_steps": len(clipped) - sum(clipped)}
+    for mode in OVERLAPPED:
+        other = results[mode]
+        same = (other["losses"] == sync["losses"] and repr(other["outcomes"]) == repr(sync["outcomes"])
+                and torch.equal(other["masters"].view(torch.uint8), sync["masters"].view(torch.uint8)))
+        summary[mode] = {"bitwise_equal_to_sync": same, "speculations": other["speculations"]}
+    return summary
 
 
 def main() -> None:
@@ -71,41 +99,11 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=None, help="default: the median norm of an unclipped run")
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("overlap_check.json"))
-    parser.add_argument("--mode", choices=sorted(MODES))
-    parser.add_argument("--mode-out", type=Path)
     args = parser.parse_args()
-    if args.mode:
-        return run_mode(args.mode, args.steps, args.clip, args.accumulate, args.mode_out)
-    import torch
-
-    def run(mode: str, clip: float) -> dict:
-        path = args.out.with_suffix(f".{mode}.pt")
-        subprocess.run([sys.executable, __file__, "--mode", mode, "--steps", str(args.steps), "--clip", str(clip),
-                        "--accumulate", str(args.accumulate), "--mode-out", str(path)], check=True)
-        result = torch.load(path)
-        path.unlink()
-        return result
-
-    clip = args.clip
-    if clip is None:  # clip at the median norm, so that some steps are clipped and some are not
-        norms = sorted(norm for skipped, _, norm in run("sync", 0.0)["outcomes"] if not skipped)
-        clip = norms[len(norms) // 2]
-    results = {mode: run(mode, clip) for mode in MODES}
-    sync = results["sync"]
-    clipped = [coef < 1.0 for skipped, coef, _ in sync["outcomes"] if not skipped]
-    summary = {"device": sync["device"], "steps": args.steps, "accumulate": args.accumulate, "clip": clip,
-               "skipped_steps": [i for i, o in enumerate(sync["outcomes"]) if o[0]],
-               "clipped_steps": sum(clipped), "unclipped_steps": len(clipped) - sum(clipped)}
-    ok = True
-    for mode in ("overlap", "overlap_awaited"):
-        other = results[mode]
-        same = (other["losses"] == sync["losses"] and repr(other["outcomes"]) == repr(sync["outcomes"])
-                and torch.equal(other["masters"].view(torch.uint8), sync["masters"].view(torch.uint8)))
-        summary[mode] = {"bitwise_equal_to_sync": same, "speculations": other["speculations"]}
-        ok &= same
+    summary = compare(args.steps, args.clip, args.accumulate)
     print(json.dumps(summary, indent=1))
     args.out.write_text(json.dumps(summary, indent=1))
-    sys.exit(0 if ok else 1)
+    sys.exit(0 if all(summary[mode]["bitwise_equal_to_sync"] for mode in OVERLAPPED) else 1)
 
 
 if __name__ == "__main__":

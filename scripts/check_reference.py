@@ -4,23 +4,25 @@
 
 Each side runs in its own subprocess (one process group each). Prints the per-step losses side by side, the
 largest relative difference, zoff's memory report and the accelerator's peak memory, and writes them as JSON.
+tests/gpu/test_check_reference.py asserts on `compare`'s summary.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from in_subprocess import call  # noqa: E402  (this directory is on sys.path)
+
 MODEL = dict(vocab_size=256, block_size=256, n_layer=6, n_head=8, n_embd=384, lr=1e-3, weight_decay=0.1)
 
 
-def run_side(side: str, steps: int, out: Path) -> None:
+def run_side(side: str, steps: int) -> dict:
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.strategies import DDPStrategy
@@ -56,39 +58,36 @@ def run_side(side: str, steps: int, out: Path) -> None:
         if torch.cuda.is_available():
             result["cuda_peak_allocated"] = torch.cuda.max_memory_allocated()
             result["num_params"] = sum(p.numel() for p in model.parameters())
-    out.write_text(json.dumps(result))
+    return result
+
+
+def compare(steps: int) -> dict:
+    """Both sides' losses, their largest relative difference, the timings and zoff's memory."""
+    sides = {side: call(run_side, side=side, steps=steps)[0] for side in ("reference", "zoff")}
+    ref, zoff = sides["reference"]["losses"], sides["zoff"]["losses"]
+    rel = [abs(z - r) / r for r, z in zip(ref, zoff)]
+    return {
+        "max_rel_diff": max(rel), "mean_rel_diff_last10": sum(rel[-10:]) / len(rel[-10:]),
+        "reference_seconds": sides["reference"]["seconds"], "zoff_seconds": sides["zoff"]["seconds"],
+        "zoff_memory": sides["zoff"]["memory"], "cuda_peak_allocated": sides["zoff"].get("cuda_peak_allocated"),
+        "num_params": sides["zoff"].get("num_params"), "model": MODEL, "reference": ref, "zoff": zoff,
+        "rel_diff": rel, "device": sides["zoff"]["device"],
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--out", type=Path, default=Path("ref_check.json"))
-    parser.add_argument("--side", choices=["reference", "zoff"])
-    parser.add_argument("--side-out", type=Path)
     args = parser.parse_args()
-    if args.side:
-        return run_side(args.side, args.steps, args.side_out)
-    sides = {}
-    for side in ("reference", "zoff"):
-        path = args.out.with_suffix(f".{side}.json")
-        subprocess.run([sys.executable, __file__, "--side", side, "--steps", str(args.steps), "--side-out", str(path)],
-                       check=True)
-        sides[side] = json.loads(path.read_text())
-        path.unlink()
-    ref, zoff = sides["reference"]["losses"], sides["zoff"]["losses"]
-    rel = [abs(z - r) / r for r, z in zip(ref, zoff)]
-    print(f"{'step':>5} {'reference fp32 (cpu)':>22} {'zoff bf16-mixed (' + sides['zoff']['device'] + ')':>26} {'rel diff':>9}")
+    summary = compare(args.steps)
+    ref, zoff, rel = summary["reference"], summary["zoff"], summary["rel_diff"]
+    zoff_column = f"zoff bf16-mixed ({summary['device']})"
+    print(f"{'step':>5} {'reference fp32 (cpu)':>22} {zoff_column:>26} {'rel diff':>9}")
     for i, (r, z, d) in enumerate(zip(ref, zoff, rel)):
         if i % max(1, len(ref) // 20) == 0 or i == len(ref) - 1:
             print(f"{i:>5} {r:>22.4f} {z:>26.4f} {d:>9.4f}")
-    summary = {
-        "max_rel_diff": max(rel), "mean_rel_diff_last10": sum(rel[-10:]) / len(rel[-10:]),
-        "reference_seconds": sides["reference"]["seconds"], "zoff_seconds": sides["zoff"]["seconds"],
-        "zoff_memory": sides["zoff"]["memory"], "cuda_peak_allocated": sides["zoff"].get("cuda_peak_allocated"),
-        "num_params": sides["zoff"].get("num_params"), "model": MODEL, "reference": ref, "zoff": zoff,
-        "device": sides["zoff"]["device"],
-    }
-    print(json.dumps({k: v for k, v in summary.items() if k not in ("reference", "zoff")}, indent=1))
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("reference", "zoff", "rel_diff")}, indent=1))
     args.out.write_text(json.dumps(summary, indent=1))
 
 

@@ -5,24 +5,27 @@
 Each side runs in its own subprocess (its own process group): N ranks with a batch of B/N each, then one rank with
 a batch of B. A rank's loss is the mean over its own samples, so the mean of the N ranks' losses is comparable
 with the single rank's. Prints both per step, the largest relative difference, every rank's memory report (each
-should hold 1/N of the master and state) and the log lines with each rank's cores and threads.
+should hold 1/N of the master and state) and each rank's cores and threads. tests/gpu/test_check_scaling.py asserts on
+`compare`'s summary.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from in_subprocess import call  # noqa: E402  (this directory is on sys.path)
+
 MODEL = dict(vocab_size=256, block_size=256, n_layer=6, n_head=8, n_embd=512, lr=1e-3, weight_decay=0.1)
 GLOBAL_BATCH = 16
 
 
-def run_side(devices: int, steps: int, precision: str, out: Path) -> None:
+def run_side(devices: int, steps: int, precision: str) -> dict:
+    """One rank's losses (the mean over its own samples), memory report and thread layout."""
     import lightning.pytorch as pl
 
     import lightning_zoff  # noqa: F401
@@ -36,17 +39,25 @@ def run_side(devices: int, steps: int, precision: str, out: Path) -> None:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.losses.append(outputs["loss"].item())
 
-        def on_train_end(self, trainer, pl_module):
-            result = {"losses": self.losses, "memory": trainer.strategy.memory_report,
-                      "layout": trainer.strategy._cpu_layout.describe(), "device": str(trainer.strategy.root_device)}
-            (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
-
     pl.seed_everything(0)
+    record = Record()
     data = CorpusDataModule(block_size=MODEL["block_size"], batch_size=GLOBAL_BATCH // devices, max_bytes=4_000_000)
     trainer = pl.Trainer(accelerator="auto", devices=devices, strategy="zoff", precision=precision, max_steps=steps,
-                         gradient_clip_val=1.0, callbacks=[Record()], logger=False, enable_checkpointing=False,
+                         gradient_clip_val=1.0, callbacks=[record], logger=False, enable_checkpointing=False,
                          limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(GPTModule(**MODEL), datamodule=data)
+    return {"losses": record.losses, "memory": trainer.strategy.memory_report,
+            "layout": trainer.strategy._cpu_layout.describe(), "device": str(trainer.strategy.root_device)}
+
+
+def compare(devices: int, steps: int, precision: str = "bf16-mixed") -> dict:
+    """The mean loss of `devices` ranks next to one rank's, per step, and every rank's report."""
+    many = call(run_side, devices=devices, steps=steps, precision=precision)
+    one, = call(run_side, devices=1, steps=steps, precision=precision)
+    mean = [sum(r["losses"][i] for r in many) / len(many) for i in range(len(one["losses"]))]
+    rel = [abs(m - o) / o for m, o in zip(mean, one["losses"])]
+    return {"devices": devices, "max_rel_diff": max(rel), "mean_losses": mean, "one_device_losses": one["losses"],
+            "rel_diff": rel, "ranks": many, "one_device": one}
 
 
 def main() -> None:
@@ -55,37 +66,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--out", type=Path, default=Path("scaling_check.json"))
-    parser.add_argument("--side", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--side-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.side:
-        return run_side(args.side, args.steps, args.precision, args.side_out)
-    sides = {}
-    for devices in (args.devices, 1):
-        side_out = args.out.parent / f"{args.out.stem}.{devices}dev"
-        side_out.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.run([sys.executable, __file__, "--side", str(devices), "--steps", str(args.steps),
-                               "--precision", args.precision, "--side-out", str(side_out)],
-                              capture_output=True, text=True)
-        layout = [line for line in proc.stderr.splitlines() + proc.stdout.splitlines() if "zoff rank" in line]
-        if proc.returncode:
-            sys.exit(f"{devices} device(s) failed:\n{proc.stderr[-3000:]}")
-        sides[devices] = {"ranks": [json.loads((side_out / f"rank{r}.json").read_text()) for r in range(devices)],
-                          "log": layout}
-    many, one = sides[args.devices]["ranks"], sides[1]["ranks"][0]["losses"]
-    mean = [sum(r["losses"][i] for r in many) / len(many) for i in range(len(one))]
-    rel = [abs(m - o) / o for m, o in zip(mean, one)]
+    summary = compare(args.devices, args.steps, args.precision)
     print(f"{'step':>5} {args.devices:>3} devices (mean) {'1 device':>10} {'rel diff':>9}")
-    for i, (m, o, d) in enumerate(zip(mean, one, rel)):
+    for i, (m, o, d) in enumerate(zip(summary["mean_losses"], summary["one_device_losses"], summary["rel_diff"])):
         print(f"{i:>5} {m:>19.4f} {o:>10.4f} {d:>9.4f}")
-    for r, rank in enumerate(many):
+    for r, rank in enumerate(summary["ranks"]):
         print(f"rank {r} ({rank['device']}): {rank['layout']}; master {rank['memory']['host_master'] / 2**20:.1f} MiB,"
               f" state {rank['memory']['host_optimizer_state'] / 2**20:.1f} MiB")
-    print(f"1 device: master {sides[1]['ranks'][0]['memory']['host_master'] / 2**20:.1f} MiB")
-    print("\n".join(sides[args.devices]["log"]))
-    summary = {"devices": args.devices, "max_rel_diff": max(rel), "mean_losses": mean, "one_device_losses": one,
-               "ranks": many, "one_device": sides[1]["ranks"][0], "log": sides[args.devices]["log"]}
-    print(f"max relative difference of the losses: {max(rel):.4f}")
+    print(f"1 device: master {summary['one_device']['memory']['host_master'] / 2**20:.1f} MiB")
+    print(f"max relative difference of the losses: {summary['max_rel_diff']:.4f}")
     args.out.write_text(json.dumps(summary, indent=1))
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device-machine checks, by stage, so one 10-minute call can take several:
 #   OUT=dir bash scripts/gpu_checks.sh env suite reference kernels train bench
+# `acceptance` is tests/gpu: the reference, overlap, scaling (2+ GPUs) and capacity checks with their thresholds.
 # Carry .whl (../shared/tools/device_wheels.sh --with-deepspeed) for the stages that need Hydra or DeepSpeed.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -17,6 +18,7 @@ for stage in "$@"; do
   case $stage in
     env) { nvidia-smi -L; nproc; lscpu | grep -i numa; lscpu | grep -E "Model name|Flags" | cut -c1-300; free -g | head -2
            python3 -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__)"; } 2>&1 | tee "$OUT/env.txt" ;;
+    acceptance) timeout ${ACCEPTANCE_TIMEOUT:-580} python3 -m pytest -q tests/gpu 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/acceptance.txt" ;;
     suite) timeout 200 python3 -m pytest -q -x tests/test_kernels.py tests/test_optim.py tests/test_training.py 2>&1 | tail -6 | tee "$OUT/pytest.txt" ;;
     kquick) timeout 120 python3 -m pytest -q -x tests/test_kernels.py -k "bf16_moments or agree or into" 2>&1 | tail -3 | tee "$OUT/kernels_quick.txt" ;;
     reference) timeout 150 python3 scripts/check_reference.py --steps 30 --out "$OUT/reference_check.json" 2>&1 | grep -v "^INFO\|Tip\|available:" | tail -40 | tee "$OUT/reference_check.txt" ;;

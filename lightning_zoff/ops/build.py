@@ -1,4 +1,5 @@
-"""JIT build of csrc/ with torch.utils.cpp_extension.load (ninja), cached per source version, machine and torch."""
+"""JIT build of the package's csrc/ with torch.utils.cpp_extension.load (ninja), cached per source version, machine
+and torch."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ import platform
 import shutil
 import sys
 import threading
+from importlib import resources
 from pathlib import Path
 from types import ModuleType
 
 import torch
 from torch.utils import cpp_extension
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
+# The C++ sources ship inside the package, so an installed wheel builds from its own copy (a checkout's top-level
+# csrc/ is a link to this directory). Path(): the compiler needs files on disk (no zipped installs).
+CSRC = Path(resources.files("lightning_zoff") / "csrc")
 _NAME = "zoff_cpu_kernels"
 _SOURCES = ("bindings.cpp", "isa.cpp", "stream_probe.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp")
 # -ffp-contract=off: g++ fuses a*b+c into one FMA by default, which would round differently per ISA; with it off every
