@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 import lightning_zoff.optim
 from lightning_zoff import ZoffStrategy
 from test_training import fit, rel_err
-from tiny import TinyModule, read_probe, token_loader
+from tiny import EPS, TinyModule, read_probe, token_loader
 
 
 def in_ranks(fn, *args) -> None:
@@ -42,7 +42,8 @@ def _as_rank(rank: int, port: int, fn, args) -> None:
 
 
 class Refit(TinyModule):
-    """Notes each fit's optimizer. `optimizer_name="lion_by_block"`: Lion over other param groups than TinyModule's."""
+    """Notes each fit's optimizer. `optimizer_name`: also "lion_by_block" (Lion over other param groups than
+    TinyModule's) and "adamw_blocks" (AdamW over the blocks only: the other parameters have no host state)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -50,6 +51,8 @@ class Refit(TinyModule):
         self.previous_optimizer = None
 
     def configure_optimizers(self):
+        if self.optimizer_name == "adamw_blocks":
+            return torch.optim.AdamW(self.model.blocks.parameters(), lr=self.lr, betas=(0.9, 0.95), eps=EPS)
         if self.optimizer_name != "lion_by_block":
             return super().configure_optimizers()
         blocks = list(self.model.blocks.parameters())
@@ -70,8 +73,9 @@ class Refit(TinyModule):
         self.fits[-1]["state_at_end"] = len(self.trainer.optimizers[0].state)
 
 
-def fit_validate_fit(rank: int, out: Path, strategy_class, second_optimizer: str) -> None:
+def fit_validate_fit(rank: int, out: Path, strategy_class, first_optimizer: str, second_optimizer: str) -> None:
     module = Refit()
+    module.optimizer_name = first_optimizer
     trainer, _ = fit(out, strategy_class(), max_steps=4, module=module)
     trainer.validate(module, token_loader(n=16, seed=1), verbose=False)
     module.optimizer_name = second_optimizer
@@ -80,13 +84,14 @@ def fit_validate_fit(rank: int, out: Path, strategy_class, second_optimizer: str
     (out / f"fits{rank}.json").write_text(json.dumps(module.fits))
 
 
-@pytest.mark.parametrize("second_optimizer", ["adamw", "lion_by_block"])
-def test_second_fit_trains_like_ddp_with_a_fresh_optimizer(tmp_path, second_optimizer):
+@pytest.mark.parametrize(("first_optimizer", "second_optimizer"),
+                         [("adamw", "adamw"), ("adamw", "lion_by_block"), ("adamw_blocks", "adamw")])
+def test_second_fit_trains_like_ddp_with_a_fresh_optimizer(tmp_path, first_optimizer, second_optimizer):
     runs = {}
     for name, strategy_class in (("ddp", DDPStrategy), ("zoff", ZoffStrategy)):
         out = tmp_path / name
         out.mkdir()
-        in_ranks(fit_validate_fit, out, strategy_class, second_optimizer)
+        in_ranks(fit_validate_fit, out, strategy_class, first_optimizer, second_optimizer)
         runs[name] = read_probe(out), json.loads((out / "fits0.json").read_text())
     (zoff, zoff_fits), (ddp, ddp_fits) = runs["zoff"], runs["ddp"]
     # the reference: DDP's second fit steps a new torch optimizer that starts without state
