@@ -1,5 +1,6 @@
-"""Every use of a private name of torch's FSDP2, in one place, so a torch upgrade that moves one breaks here (and in
-tests/test_compat.py), not somewhere in the data path. Checked on torch 2.11 (GPU machine) and 2.13 (CPU)."""
+"""Every private name of torch, Lightning and transformers that zoff uses, in one place, so an upgrade that moves
+one breaks here (and in tests/test_compat.py), not somewhere in the data path. Checked on torch 2.11 + lightning 2.6.6
+(GPU machine) and torch 2.13 + lightning 2.6.6 (CPU)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,36 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.distributed import _distributed_is_initialized as distributed_is_initialized
+from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher as MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput as WorkerOutput
 from torch import nn
+
+__all__ = [
+    "MultiProcessingLauncher", "SubprocessScriptLauncher", "WorkerOutput", "all_gather_streams", "before_reduce",
+    "distributed_is_initialized", "fsdp_param_group", "fused_adam_step", "hf_init_weights", "init_dist_connection",
+    "restore_post_backward", "sync_ddp_if_available", "unit_params",
+]
+
+
+# -- torch ------------------------------------------------------------------------------------------------------
+
+def fused_adam_step(decoupled: bool) -> Callable[..., None]:
+    """torch's fused multi-tensor Adam (`decoupled`: AdamW) kernel, the one `torch.optim.AdamW(fused=True)` runs."""
+    return torch._fused_adamw_ if decoupled else torch._fused_adam_
+
+
+# -- transformers -------------------------------------------------------------------------------------------------
+
+def hf_init_weights(owner: nn.Module, module: nn.Module) -> None:
+    """Initialise `module` the way its Hugging Face `PreTrainedModel` `owner` does when it builds a model."""
+    owner._init_weights(module)  # type: ignore[operator]
+
+
+# -- FSDP2 --------------------------------------------------------------------------------------------------------
 
 
 def fsdp_param_group(module: nn.Module) -> Any:

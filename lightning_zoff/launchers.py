@@ -18,12 +18,11 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 from lightning_zoff.checkpoint import param_names
+from lightning_zoff._compat import MultiProcessingLauncher, SubprocessScriptLauncher, WorkerOutput
 from lightning_zoff.offload.budget import _meminfo_bytes
 
 # Set on the main process's LightningModule after a fit whose trained weights stayed in the ranks: it still holds
@@ -35,7 +34,7 @@ class RankTraceback(Exception):
     """The traceback of an exception raised in a rank, shown as the cause of that exception in the main process."""
 
 
-class ZoffSubprocessScriptLauncher(_SubprocessScriptLauncher):
+class ZoffSubprocessScriptLauncher(SubprocessScriptLauncher):
     """Lightning's default launcher (re-runs the command per rank), checking first what can be checked here."""
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
@@ -43,7 +42,7 @@ class ZoffSubprocessScriptLauncher(_SubprocessScriptLauncher):
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
-class ZoffMultiProcessingLauncher(_MultiProcessingLauncher):
+class ZoffMultiProcessingLauncher(MultiProcessingLauncher):
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         _check_supported(trainer)
         if trainer is not None:
@@ -108,7 +107,7 @@ class ZoffMultiProcessingLauncher(_MultiProcessingLauncher):
             " node or more nodes (README: 'What fits')."
         )
 
-    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> _WorkerOutput | None:
+    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> WorkerOutput | None:
         # Lightning pickles `lightning_module.state_dict()`: sharded DTensors the main process cannot load. Asked for
         # the weights, we gather the fp32 masters instead (a collective: every rank runs it and holds them all).
         fitted = trainer.state.fn == TrainerFn.FITTING and self._strategy.engine is not None
@@ -121,9 +120,9 @@ class ZoffMultiProcessingLauncher(_MultiProcessingLauncher):
             self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
         callback = trainer.checkpoint_callback
         best_model_path = getattr(callback, "best_model_path", None) if callback else None
-        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
+        return WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
 
-    def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: Any) -> None:
+    def _recover_results_in_main_process(self, worker_output: WorkerOutput, trainer: Any) -> None:
         module = trainer.lightning_module
         kept = trainer.state.fn == TrainerFn.FITTING and worker_output.weights_path is None
         if kept and not getattr(module, _WEIGHTS_IN_RANKS, False):

@@ -10,6 +10,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from lightning_zoff._compat import hf_init_weights
+
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     """The default policy: children of every `nn.ModuleList` whose children repeat one class (transformer blocks)."""
@@ -141,7 +143,7 @@ def default_param_init(root: nn.Module) -> ParamInitFn:
     def init(module: nn.Module) -> None:
         owner = hf_owner.get(module)
         if owner is not None:
-            owner._init_weights(module)
+            hf_init_weights(owner, module)
             return
         reset = getattr(module, "reset_parameters", None)
         if not callable(reset):

@@ -13,7 +13,6 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection, _sync_ddp_if_available
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper
@@ -27,6 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_zoff import checkpoint_files
+from lightning_zoff._compat import distributed_is_initialized, init_dist_connection, sync_ddp_if_available
 from lightning_zoff.checkpoint import (
     apply_weights, finish_restore, fill_from_full, full_optimizer_state, full_state_dict, sharded_model_state,
     sharded_optimizer_state, state_mesh, unmatched_keys, weight_targets,
@@ -242,7 +242,7 @@ class ZoffStrategy(ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout)
+        init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout)
         speak_for_node(self.local_rank)
         on_gpu = self.root_device.type == "cuda"
         self._cpu_layout = self._plan_cpu_layout()
@@ -575,7 +575,7 @@ class ZoffStrategy(ParallelStrategy):
         # forward then waits forever for the rank that ran out. Refuse before that happens.
         batch_sampler = getattr(dataloader, "batch_sampler", None)
         sampler = getattr(batch_sampler, "sampler", None)
-        if isinstance(sampler, UnrepeatedDistributedSamplerWrapper) and _distributed_is_initialized():
+        if isinstance(sampler, UnrepeatedDistributedSamplerWrapper) and distributed_is_initialized():
             counts = [None] * self.world_size
             dist.all_gather_object(counts, len(dataloader))
             if len(set(counts)) > 1:
@@ -589,11 +589,11 @@ class ZoffStrategy(ParallelStrategy):
     # -- collectives ----------------------------------------------------------------------------------------
 
     def barrier(self, name: str | None = None) -> None:
-        if _distributed_is_initialized():
+        if distributed_is_initialized():
             dist.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
+        if not distributed_is_initialized():
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src, group=_group.WORLD)
@@ -601,7 +601,7 @@ class ZoffStrategy(ParallelStrategy):
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     def model_to_device(self) -> None:

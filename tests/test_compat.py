@@ -92,3 +92,41 @@ def _check_streams(net) -> None:
 
 def test_all_gather_streams_are_found():
     run_in_one_rank(_check_streams)
+
+
+def test_fused_adam_step_is_torchs_adamw():
+    torch.manual_seed(0)
+    param, grad = torch.randn(64), torch.randn(64)
+    reference = param.clone().requires_grad_()
+    reference.grad = grad.clone()
+    torch.optim.AdamW([reference], lr=1e-2, weight_decay=0.1).step()
+    exp_avg, exp_avg_sq = torch.zeros(64), torch.zeros(64)
+    _compat.fused_adam_step(decoupled=True)(
+        [param], [grad], [exp_avg], [exp_avg_sq], [], [torch.tensor(1.0)], lr=1e-2, beta1=0.9, beta2=0.999,
+        weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False, grad_scale=None, found_inf=None)
+    torch.testing.assert_close(param, reference.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_lightning_privates_zoff_builds_on():
+    import inspect
+
+    # the launchers zoff subclasses, with the methods it overrides or calls
+    for name in ("_wrapping_function", "_collect_rank_zero_results", "_recover_results_in_main_process"):
+        assert callable(getattr(_compat.MultiProcessingLauncher, name))
+    assert callable(_compat.SubprocessScriptLauncher.launch)
+    assert _compat.WorkerOutput._fields[:2] == ("best_model_path", "weights_path")
+    params = list(inspect.signature(_compat.init_dist_connection).parameters)
+    assert params[:2] == ["cluster_environment", "torch_distributed_backend"] and params[-1] == "kwargs"  # timeout=
+    assert "reduce_op" in inspect.signature(_compat.sync_ddp_if_available).parameters
+    assert _compat.distributed_is_initialized() is False  # this process holds no process group
+
+
+def test_hf_init_weights_is_the_models_own_init():
+    transformers = __import__("transformers")
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, initializer_range=0.5)
+    model = transformers.LlamaForCausalLM(config)
+    layer = model.model.layers[0].mlp.up_proj
+    torch.nn.init.zeros_(layer.weight)
+    _compat.hf_init_weights(model, layer)
+    assert 0.3 < layer.weight.std().item() < 0.7  # normal(0, initializer_range), not left at zero

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from lightning_zoff import ops
+from lightning_zoff._compat import fused_adam_step
 from lightning_zoff.optim.rules import GroupHyperparams, UpdateRule
 
 
@@ -61,7 +62,7 @@ def _torch_update(rule, hp, step, param, grad, exp_avg, exp_avg_sq, grad_scale, 
         param.mul_(1 - hp.lr * hp.weight_decay).add_(direction, alpha=-hp.lr)
         exp_avg.mul_(hp.beta2).add_(g, alpha=1 - hp.beta2)
     else:
-        fused = torch._fused_adamw_ if rule is UpdateRule.ADAMW else torch._fused_adam_
+        fused = fused_adam_step(decoupled=rule is UpdateRule.ADAMW)
         step_tensor = torch.tensor(float(step), dtype=torch.float32, device=param.device)
         fused([param], [g], [exp_avg], [exp_avg_sq], [], [step_tensor], lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2,
               weight_decay=hp.weight_decay, eps=hp.eps, amsgrad=False, maximize=False, grad_scale=None,
