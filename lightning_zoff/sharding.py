@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -246,3 +247,20 @@ def checkpoint_activations(model: nn.Module, classes: Iterable[type[nn.Module]])
 
 def is_sharded(model: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+@contextmanager
+def keep_gathered(model: nn.Module) -> Iterator[None]:
+    """Within this block every FSDP2 unit of `model` keeps its parameters gathered after its first forward, and gives
+    them up at the end: generating a sequence then all-gathers each unit once, not once per token, and every rank
+    holds the whole model's parameters meanwhile (as DDP does). Every rank must enter it, and run at least the first
+    forward, together. Does nothing to a model that is not sharded."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_reshard_after_forward(True, recurse=False)  # as shard_model sharded it
+            unit.reshard()

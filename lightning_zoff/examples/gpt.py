@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lightning_zoff.sharding import keep_gathered
+
 
 @dataclass
 class GPTConfig:
@@ -27,6 +29,28 @@ class GPTConfig:
     tie_weights: bool = False  # share tok_emb.weight with lm_head.weight
 
 
+class KVCache:
+    """The keys and values one attention layer has computed, so that generation runs each new token alone instead
+    of the whole context again. Room for `size` positions, allocated at the first call in the activations' dtype."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.length = 0  # positions cached
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache `k`, `v` (B, n_head, T, head_size) after the positions before; return the keys and values of all."""
+        assert self.length == 0 or k.size(2) == 1, "a cache takes a whole context first, then one token at a time"
+        if self.keys is None:
+            self.keys = k.new_empty(k.size(0), k.size(1), self.size, k.size(3))
+            self.values = torch.empty_like(self.keys)
+        start, self.length = self.length, self.length + k.size(2)
+        self.keys[:, :, start : self.length] = k
+        self.values[:, :, start : self.length] = v
+        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -37,13 +61,16 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_size)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if cache is not None:
+            k, v = cache.append(k, v)
+        # a whole context attends causally; a single new token attends to every position cached before it
         y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=T > 1
         )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.proj(y))
@@ -70,8 +97,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -107,14 +134,19 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, caches: list[KVCache] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits (B, T, vocab) and, given `targets`, the loss. With `caches` (one per block, for generation): `idx`
+        continues the positions cached, and only the last position's logits (B, 1, vocab) are computed."""
         B, T = idx.shape
-        assert T <= self.config.block_size, f"sequence of {T} tokens, block_size is {self.config.block_size}"
-        pos = torch.arange(T, device=idx.device)
+        start = caches[0].length if caches is not None else 0
+        assert start + T <= self.config.block_size, f"{start + T} positions, block_size is {self.config.block_size}"
+        pos = torch.arange(start, start + T, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
-        for block in self.blocks:
-            x = block(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x, None if caches is None else caches[i])
+        if caches is not None:
+            x = x[:, -1:]  # the next token needs no other position's logits
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:
@@ -126,10 +158,22 @@ class GPT(nn.Module):
     def generate(
         self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None
     ) -> torch.Tensor:
-        """Append `max_new_tokens` sampled tokens to `idx` (B, T) and return the longer sequence."""
+        """Append `max_new_tokens` sampled tokens to `idx` (B, T) and return the longer sequence.
+
+        The keys and values are cached, so each new token runs the model on itself alone. Once the sequence outgrows
+        block_size, the context (its last block_size tokens) shifts by a token per step and every position's
+        embedding changes: each step then runs the whole context again, as without a cache."""
+        block_size = self.config.block_size
+        caches = [KVCache(block_size) for _ in self.blocks]
+        new = idx[:, -block_size:]
         for _ in range(max_new_tokens):
-            logits, _ = self(idx[:, -self.config.block_size :])
-            idx = torch.cat([idx, draw_token(logits[:, -1, :], temperature, top_k)], dim=1)
+            if caches[0].length == block_size:
+                for cache in caches:
+                    cache.length = 0
+                new = idx[:, -block_size:]
+            logits, _ = self(new, caches=caches)
+            new = draw_token(logits[:, -1, :], temperature, top_k)
+            idx = torch.cat([idx, new], dim=1)
         return idx
 
 
@@ -237,11 +281,13 @@ class GPTModule(pl.LightningModule):
     ) -> bytes:
         """Continue a byte string; returns the prompt followed by `max_new_tokens` generated bytes.
 
-        With a sharded model every rank must call this together (each forward all-gathers).
+        With a sharded model every rank must call this together: the first forward all-gathers every unit, which
+        then stays gathered until the sample is complete (see `keep_gathered`).
         """
         device = next(self.model.parameters()).device
         idx = torch.tensor([list(prompt)], dtype=torch.long, device=device)
-        out = self.model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k)
+        with keep_gathered(self.model):
+            out = self.model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k)
         return token_bytes(out[0].tolist())
 
 

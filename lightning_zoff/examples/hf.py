@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from lightning_zoff.examples.gpt import OptimizerFactory, decay_groups, draw_token, token_bytes
+from lightning_zoff.sharding import keep_gathered
 
 # name: (transformers model type, config values). The tiny ones use the corpus data module's byte vocabulary.
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -131,11 +132,17 @@ class HFCausalLM(pl.LightningModule):
     def generate(
         self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None
     ) -> torch.Tensor:
-        """Append `max_new_tokens` sampled tokens to `idx` (B, T) and return the longer sequence. A full forward per
-        token, no KV cache: the same loop as `GPT.generate`, which a sharded model runs in every rank alike."""
+        """Append `max_new_tokens` sampled tokens to `idx` (B, T) and return the longer sequence, as `GPT.generate`
+        does: with the model's key-value cache each new token runs alone, until the sequence outgrows `block_size`;
+        each step then runs the whole context (the last block_size tokens) again, as without a cache."""
+        cache, new = None, idx[:, -self.block_size :]
         for _ in range(max_new_tokens):
-            logits = self(idx[:, -self.block_size :])
-            idx = torch.cat([idx, draw_token(logits[:, -1, :], temperature, top_k)], dim=1)
+            if cache is not None and cache.get_seq_length() == self.block_size:
+                cache, new = None, idx[:, -self.block_size :]
+            out = self.model(input_ids=new, cache=cache, use_cache=True)
+            cache = out.cache
+            new = draw_token(out.logits[:, -1, :], temperature, top_k)
+            idx = torch.cat([idx, new], dim=1)
         return idx
 
     def sample(
@@ -144,9 +151,11 @@ class HFCausalLM(pl.LightningModule):
         """Continue a byte string (its bytes are token ids 0-255, valid in any vocabulary of 256 or more); returns the
         prompt followed by `max_new_tokens` generated tokens as bytes (see `token_bytes`).
 
-        With a sharded model every rank must call this together (each forward all-gathers).
+        With a sharded model every rank must call this together: the first forward all-gathers every unit, which
+        then stays gathered until the sample is complete (see `keep_gathered`).
         """
         device = next(self.model.parameters()).device
         idx = torch.tensor([list(prompt)], dtype=torch.long, device=device)
-        out = self.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k)
+        with keep_gathered(self.model):
+            out = self.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k)
         return token_bytes(out[0].tolist())
