@@ -32,6 +32,7 @@ from lightning_zoff.checkpoint import (
     sharded_optimizer_state, state_mesh, unmatched_keys, weight_targets,
 )
 from lightning_zoff.cpus import CpuLayout, apply_layout, plan_layout, torch_threads
+from lightning_zoff.malloc import fix_mmap_threshold
 from lightning_zoff.launchers import ZoffMultiProcessingLauncher, ZoffSubprocessScriptLauncher
 from lightning_zoff.node_log import log_for_node, speak_for_node
 from lightning_zoff.offload import OffloadEngine, StepOutcome, describe_memory
@@ -250,6 +251,8 @@ class ZoffStrategy(ParallelStrategy):
             # each rank of the node on its own cores, torch's pool shrunk to what the kernels leave (on CPU
             # machines torch's threads do the training itself, so they keep the process's cores)
             apply_layout(self._cpu_layout)
+        if self.root_device.type == "cpu":
+            fix_mmap_threshold()  # FSDP2's buffers are host memory here: keep them from piling up in the heap
             binding = "bound to these cores"
         elif on_gpu:
             binding = "not bound to these cores: the optimizer runs on the accelerator (offload=False)"
