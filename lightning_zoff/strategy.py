@@ -251,8 +251,6 @@ class ZoffStrategy(ParallelStrategy):
             # each rank of the node on its own cores, torch's pool shrunk to what the kernels leave (on CPU
             # machines torch's threads do the training itself, so they keep the process's cores)
             apply_layout(self._cpu_layout)
-        if self.root_device.type == "cpu":
-            fix_mmap_threshold()  # FSDP2's buffers are host memory here: keep them from piling up in the heap
             binding = "bound to these cores"
         elif on_gpu:
             binding = "not bound to these cores: the optimizer runs on the accelerator (offload=False)"
@@ -262,6 +260,8 @@ class ZoffStrategy(ParallelStrategy):
                        f" optimizer's threads")
         log.debug("zoff rank %d (local %d of %d): %s; %s", self.global_rank, self.local_rank, self.num_processes,
                   self._cpu_layout.describe(), binding)
+        if self.root_device.type == "cpu":
+            fix_mmap_threshold()  # FSDP2's buffers are host memory here: keep them from piling up in the heap
 
     # -- model and optimizer --------------------------------------------------------------------------------
 
