@@ -39,7 +39,22 @@ class ZoffSubprocessScriptLauncher(SubprocessScriptLauncher):
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         _check_supported(trainer)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        except BaseException:
+            self._let_ranks_finish()
+            raise
+
+    def _let_ranks_finish(self, timeout_s: float = 20.0) -> None:
+        # The other ranks usually fail the same way: waiting a moment for them lets the main process's message be
+        # the last one the user reads, instead of a rank's copy racing it. A rank blocked in a collective is left
+        # to Lightning's process observer.
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # still running at the deadline
+                return
 
 
 class ZoffMultiProcessingLauncher(MultiProcessingLauncher):
