@@ -32,8 +32,8 @@ from lightning_zoff.checkpoint import (
     sharded_optimizer_state, state_mesh, unmatched_keys, weight_targets,
 )
 from lightning_zoff.cpus import CpuLayout, apply_layout, plan_layout, torch_threads
-from lightning_zoff.malloc import fix_mmap_threshold
 from lightning_zoff.launchers import ZoffMultiProcessingLauncher, ZoffSubprocessScriptLauncher
+from lightning_zoff.malloc import fix_mmap_threshold
 from lightning_zoff.node_log import log_for_node, speak_for_node
 from lightning_zoff.offload import OffloadEngine, StepOutcome, describe_memory
 from lightning_zoff.precision import ZoffPrecision

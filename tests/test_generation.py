@@ -94,10 +94,10 @@ PROMPT, SAMPLE_TOKENS = b"def f(x):", 24
 
 
 def fit(module: pl.LightningModule, callback: pl.Callback) -> None:
+    strategy = ZoffStrategy(start_method="fork", weights_to_main_process=True)  # the sample test reads them
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=ZoffStrategy(start_method="fork", weights_to_main_process=True), max_steps=1, callbacks=[callback],
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0,
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=1, callbacks=[callback], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
     )
     trainer.fit(module, datamodule=SyntheticDataModule(vocab_size=256, block_size=16, batch_size=2, num_samples=64))
 
