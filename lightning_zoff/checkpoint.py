@@ -20,49 +20,37 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_zoff.offload import OffloadEngine
-from lightning_zoff.offload.engine import HostUnit, TrainedParam
+from lightning_zoff.offload.unit_state import ParamState
 from lightning_zoff.offload.layout import padded_shard_numel
 from lightning_zoff.pretrained import OnDisk
-from lightning_zoff.sharding import local_chunk
+from lightning_zoff.sharding import local_chunk, param_names
 
 # torch 2.13 renamed all_gather_into_tensor (2.11 has only the old name)
 _all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True)
 class ParamEntry:
     name: str  # the first of its names; tied parameters have several
-    param: nn.Parameter  # the sharded (DTensor) parameter
-    unit: HostUnit
-    trained: TrainedParam | None  # None: frozen or not in the optimizer, so no host state: its value is on the accelerator
+    state: ParamState  # the engine's view of this rank's state of the parameter
 
-    def rows(self, flat: torch.Tensor) -> torch.Tensor:
-        """This rank's unpadded rows of a trained parameter in one of the unit's host state buffers (a view)."""
-        assert self.trained is not None
-        return self.unit.rows(self.trained, flat).view(self.param.to_local().shape)
+    @property
+    def trained(self) -> bool:
+        """Whether the optimizer trains it; if not (frozen, or outside the optimizer) its value is the accelerator's."""
+        return self.state.master is not None
 
     def fp32_rows(self) -> torch.Tensor:
         """This rank's rows as fp32 on the host: a view of the master when trained, else a copy of the accelerator's."""
-        if self.trained is not None:
-            return self.rows(self.unit.master)
-        return self.param.to_local().detach().to("cpu", torch.float32, copy=True)
-
-
-def param_names(module: nn.Module) -> dict[int, list[str]]:
-    names: dict[int, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return names
+        if self.state.master is not None:
+            return self.state.master
+        return self.state.param.to_local().detach().to("cpu", torch.float32, copy=True)
 
 
 def param_entries(module: nn.Module, engine: OffloadEngine) -> Iterator[tuple[list[str], ParamEntry]]:
     names = param_names(module)
-    for unit in engine.units:
-        trained = {id(t.slot.param): t for t in unit.trained}
-        for param in [*(slot.param for slot in unit.layout.slots), *unit.layout.frozen]:
-            all_names = names[id(param)]
-            yield all_names, ParamEntry(all_names[0], param, unit, trained.get(id(param)))
+    for state in engine.param_states():
+        all_names = names[id(state.param)]
+        yield all_names, ParamEntry(all_names[0], state)
 
 
 def state_mesh(engine: OffloadEngine) -> DeviceMesh:
@@ -81,7 +69,7 @@ def sharded_model_state(module: nn.Module, engine: OffloadEngine, mesh: DeviceMe
     accelerator's shard, which `finish_restore` writes back."""
     params: dict[str, torch.Tensor] = {}
     for names, entry in param_entries(module, engine):
-        tensor = _sharded(entry.fp32_rows(), entry.param, mesh)
+        tensor = _sharded(entry.fp32_rows(), entry.state.param, mesh)
         params.update((name, tensor) for name in names)
     return _with_buffers(module, params)
 
@@ -91,11 +79,9 @@ def sharded_optimizer_state(
 ) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for _, entry in param_entries(module, engine):
-        if entry.trained is None:
-            continue
-        moments = {key: getattr(entry.unit, key) for key in MOMENTS if getattr(entry.unit, key) is not None}
-        state[entry.name] = {key: _sharded(entry.rows(flat), entry.param, mesh) for key, flat in moments.items()}
-        state[entry.name]["step"] = torch.tensor(entry.trained.step, dtype=torch.int64)
+        if entry.trained:
+            state[entry.name] = {key: _sharded(rows, entry.state.param, mesh) for key, rows in entry.state.moments.items()}
+            state[entry.name]["step"] = torch.tensor(entry.state.step, dtype=torch.int64)
     return {"state": state, "param_groups": named_param_groups(module, optimizer)}
 
 
@@ -130,7 +116,7 @@ def full_state_dict(module: nn.Module, engine: OffloadEngine) -> dict[str, torch
     collective: every rank calls it and gets the whole dict."""
     params: dict[str, torch.Tensor] = {}
     for names, entry in param_entries(module, engine):
-        tensor = _gathered_param(entry.fp32_rows(), entry.param, engine.world_size)
+        tensor = _gathered_param(entry.fp32_rows(), entry.state.param, engine.world_size)
         params.update((name, tensor) for name in names)
     return _with_buffers(module, params)
 
@@ -139,11 +125,10 @@ def full_optimizer_state(module: nn.Module, engine: OffloadEngine, optimizer: to
     """The optimizer state with whole (gathered) moments, by parameter name. A collective."""
     state = {}
     for _, entry in param_entries(module, engine):
-        if entry.trained is None:
-            continue
-        state[entry.name] = {key: _gathered_param(entry.rows(getattr(entry.unit, key)), entry.param, engine.world_size)
-                             for key in MOMENTS if getattr(entry.unit, key) is not None}
-        state[entry.name]["step"] = torch.tensor(entry.trained.step, dtype=torch.int64)
+        if entry.trained:
+            state[entry.name] = {key: _gathered_param(rows, entry.state.param, engine.world_size)
+                                 for key, rows in entry.state.moments.items()}
+            state[entry.name]["step"] = torch.tensor(entry.state.step, dtype=torch.int64)
     return {"state": state, "param_groups": named_param_groups(module, optimizer)}
 
 
@@ -184,16 +169,14 @@ def finish_restore(module: nn.Module, engine: OffloadEngine, weights: dict[str, 
         _restore_param_groups(optimizer, optimizer_state["param_groups"])
     engine.send_masters()
     for _, entry in param_entries(module, engine):
-        if entry.trained is None:
+        if not entry.trained:
             loaded = weights[entry.name]
-            local = entry.param.to_local()
-            local.copy_(loaded.to_local() if isinstance(loaded, DTensor) else loaded)
+            entry.state.param.to_local().copy_(loaded.to_local() if isinstance(loaded, DTensor) else loaded)
 
 
 def _restore_steps(module: nn.Module, engine: OffloadEngine, state: dict[str, Any]) -> None:
-    for _, entry in param_entries(module, engine):
-        if entry.trained is not None:
-            entry.trained.step = int(state[entry.name]["step"])
+    engine.set_steps({entry.state.param: int(state[entry.name]["step"])
+                      for _, entry in param_entries(module, engine) if entry.trained})
 
 
 def _restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]]) -> None:

@@ -21,9 +21,9 @@ from typing import Any, Callable
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
-from lightning_zoff.checkpoint import param_names
 from lightning_zoff._compat import MultiProcessingLauncher, SubprocessScriptLauncher, WorkerOutput
 from lightning_zoff.offload.budget import _meminfo_bytes
+from lightning_zoff.sharding import param_names
 
 # Set on the main process's LightningModule after a fit whose trained weights stayed in the ranks: it still holds
 # the weights it had before that fit. Loading weights into it clears the mark.

@@ -59,6 +59,14 @@ def plan_units(model: nn.Module, wrap_policy: Iterable[type[nn.Module]] | None =
     return [(names[b], b) for b in blocks] + roots
 
 
+def param_names(module: nn.Module) -> dict[int, list[str]]:
+    """Every name of each parameter, by id (tied parameters have several; the first is the one checkpoints use)."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
 def _holders(model: nn.Module) -> dict[int, list[nn.Module]]:
     """Every module that holds each parameter directly, by id of the parameter (tied parameters have several)."""
     holders: dict[int, list[nn.Module]] = {}

@@ -44,7 +44,9 @@ def run_mode(mode: str, steps: int, clip: float, accumulate: int) -> dict:
             self.losses, self.outcomes = [], []
 
         def on_train_start(self, trainer, pl_module):
-            trainer.strategy.engine.await_speculation = mode == "overlap_awaited"
+            scheduler = trainer.strategy.engine.scheduler  # None without overlap
+            if scheduler is not None:
+                scheduler.await_speculation = mode == "overlap_awaited"
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.losses.append(outputs["loss"].item())
@@ -65,7 +67,7 @@ def run_mode(mode: str, steps: int, clip: float, accumulate: int) -> dict:
     engine.wait_idle()
     masters = torch.cat([u.master for u in engine.units])
     return {"losses": record.losses, "outcomes": record.outcomes, "masters": masters,
-            "speculations": dict(engine.speculations), "device": str(trainer.strategy.root_device)}
+            "speculations": dict(engine.scheduler.speculations) if engine.scheduler else {"kept": 0, "redone": 0}, "device": str(trainer.strategy.root_device)}
 
 
 def compare(steps: int, clip: float | None = None, accumulate: int = 1) -> dict:

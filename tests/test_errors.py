@@ -161,7 +161,7 @@ def test_a_fine_tune_is_charged_for_its_trained_elements_only(monkeypatch):
 
 
 def test_bf16_moments_with_a_beta_that_cannot_decay_warn():
-    from lightning_zoff.offload.engine import _warn_if_bf16_moments_cannot_decay
+    from lightning_zoff.optim.rules import warn_if_bf16_moments_cannot_decay
     from lightning_zoff.optim import UpdateRule
 
     # why: a decay by 0.1% is less than half a bf16 ulp, so rounding to nearest gives the old value back
@@ -169,11 +169,11 @@ def test_bf16_moments_with_a_beta_that_cannot_decay_warn():
     assert torch.equal((v.float() * 0.999).to(torch.bfloat16), v)
     params = [torch.nn.Parameter(torch.zeros(2))]
     with pytest.warns(UserWarning, match=r"beta2=0\.999 \(exp_avg_sq\): a step decays such a moment by less than"):
-        _warn_if_bf16_moments_cannot_decay(UpdateRule.ADAMW, torch.optim.AdamW(params))  # torch's default betas
+        warn_if_bf16_moments_cannot_decay(UpdateRule.ADAMW, torch.optim.AdamW(params))  # torch's default betas
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _warn_if_bf16_moments_cannot_decay(UpdateRule.ADAMW, torch.optim.AdamW(params, betas=(0.9, 0.95)))
-        _warn_if_bf16_moments_cannot_decay(UpdateRule.LION, torch.optim.AdamW(params, betas=(0.999, 0.99)))
+        warn_if_bf16_moments_cannot_decay(UpdateRule.ADAMW, torch.optim.AdamW(params, betas=(0.9, 0.95)))
+        warn_if_bf16_moments_cannot_decay(UpdateRule.LION, torch.optim.AdamW(params, betas=(0.999, 0.99)))
 
 
 def test_model_larger_than_host_memory_stops_before_training(monkeypatch):

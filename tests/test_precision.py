@@ -37,7 +37,7 @@ class StateWatch(pl.Callback):
     def _state(self, trainer):
         engine = trainer.strategy.engine
         engine.wait_idle()  # overlapped updates finish in the background
-        tensors = [t.clone() for u in engine.units for t in (u.master, u.exp_avg, u.exp_avg_sq)]
+        tensors = [t.clone() for u in engine.units for t in u.state]
         tensors += [p.to_local().detach().clone() for p in trainer.lightning_module.parameters()]
         steps = [p.step for u in engine.units for p in u.trained]
         return tensors, steps, [g["lr"] for g in trainer.optimizers[0].param_groups]
@@ -151,7 +151,7 @@ class ReadWindowGradient(pl.Callback):
         engine = trainer.strategy.engine
         engine.wait_idle()  # the gradient lands in the background
         unit = engine.units[0]
-        grad = engine._window_grad(unit)[: unit.layout.slots[0].numel].double()
+        grad = unit.window_grad[: unit.layout.slots[0].numel].double()
         torch.save(grad, self.out / f"grad{trainer.global_rank}.pt")
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import os
 
+from lightning_zoff.offload.layout import UnitLayout
+
 log = logging.getLogger("lightning_zoff")
 
 
@@ -82,3 +84,18 @@ def check_host_budget(elements: int, ranks_on_node: int, *, param_bytes: int, se
     if available is not None and needed > available:
         log.warning("zoff: the optimizer state needs %.1f GB of host memory on this node, more than the %.1f GB free now",
                     needed / gb, available / gb)
+
+
+def check_unit_budget(layouts: list[UnitLayout], group_of: dict[int, int], ranks_on_node: int, *, second_moment: bool,
+                      overlap: bool, accum_bytes: int, moment_bytes: int) -> None:
+    """`check_host_budget` for the units' host state: their trained parameters (those in `group_of`, by id)."""
+    trained = [s for layout in layouts for s in layout.slots if id(s.param) in group_of]
+    if not trained:
+        return
+    untrained = sum(p.to_local().numel() for layout in layouts
+                    for p in [*(s.param for s in layout.slots if id(s.param) not in group_of), *layout.frozen])
+    check_host_budget(
+        sum(s.padded_numel for s in trained), ranks_on_node, reduced=sum(layout.flat_numel for layout in layouts),
+        untrained=untrained, param_bytes=trained[0].param.element_size(), second_moment=second_moment,
+        overlap=overlap, accum_bytes=accum_bytes, moment_bytes=moment_bytes,
+    )

@@ -6,6 +6,7 @@ The user's optimizer object stays the one Lightning and the LR schedulers see; z
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from enum import Enum
 
@@ -65,3 +66,19 @@ def update_rule_for(optimizer: torch.optim.Optimizer) -> UpdateRule:
     if len(decoupled) != 1:
         raise ValueError("strategy='zoff' needs one weight-decay mode for all param groups of the optimizer.")
     return UpdateRule.ADAMW if decoupled.pop() else UpdateRule.ADAM
+
+
+def warn_if_bf16_moments_cannot_decay(rule: UpdateRule, optimizer: torch.optim.Optimizer) -> None:
+    # Rounding to nearest gives a bf16 moment back unchanged unless the step moves it by half a bf16 ulp, 2^-9 to 2^-8
+    # of its value. Decaying, a step moves it by at most (1 - beta) of its value: with 1 - beta below 2^-8 the decay
+    # can round away, below 2^-9 (beta2 = 0.999) it always does, and the moment only ever grows.
+    decays = [("beta2", 1, "exp_avg")] if rule is UpdateRule.LION else [("beta1", 0, "exp_avg"), ("beta2", 1, "exp_avg_sq")]
+    slow = sorted({f"{name}={float(group['betas'][i]):g} ({moment})" for group in optimizer.param_groups
+                   for name, i, moment in decays if 1 - float(group["betas"][i]) < 2**-8})
+    if slow:
+        warnings.warn(
+            f"zoff: optimizer_state_dtype='bf16' with {', '.join(slow)}: a step decays such a moment by less than half"
+            " a bf16 ulp, so rounding to nearest can keep its old value (at 0.999 it never shrinks, it only grows)."
+            " Use betas of at most 0.996 (0.95 is common for beta2) or optimizer_state_dtype='fp32'.",
+            stacklevel=3,
+        )

@@ -1,0 +1,105 @@
+"""When the host work runs with `overlap`: on one background thread, in priority order, beside the accelerator.
+
+Landings come first (the step waits for every unit's sum of squares), then finalizing (the next forward waits for
+it), then speculation, which only fills idle time: after a unit's window gradient is complete, its update runs as
+if the step will be neither clipped nor skipped, into spare buffers. The step's decision then keeps it (same key)
+or redoes the update from the untouched state. Without overlap, the engine runs the same functions inline and there
+is no scheduler.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from lightning_zoff.offload.unit_state import Phase, UnitState, UpdateKey
+from lightning_zoff.offload.worker import HostWorker
+
+_LAND, _FINALIZE, _SPECULATE = 0, 1, 2
+# The worker needs the GIL for a moment between kernels; by default Python hands it over only every 5 ms, and a
+# unit's landing and update are several calls. Hand it over 10x sooner while a scheduler lives.
+_SWITCH_INTERVAL_S = 0.0005
+
+
+class HostScheduler:
+    def __init__(self) -> None:
+        self.worker = HostWorker()
+        self._switch_interval = sys.getswitchinterval()  # what `close` restores
+        sys.setswitchinterval(min(self._switch_interval, _SWITCH_INTERVAL_S))
+        self._landings = 0  # handed to the worker and not yet done
+        self._landings_lock = threading.Lock()  # counted up in backward's thread, down in the worker
+        self.window = 0  # accumulation windows decided so far: a speculation of an older one is stale
+        self.speculations = {"kept": 0, "redone": 0}  # since the start, for tests and logs
+        self.await_speculation = False  # decide only after every speculation ran: makes tests cover keep and redo
+
+    # -- backward ---------------------------------------------------------------------------------------------
+
+    def land(self, task: Callable[[], None], ready: Callable[[], bool] | None) -> None:
+        """Queue a unit's landing; `ready` says when its gradient copy has arrived."""
+        with self._landings_lock:
+            self._landings += 1
+        self.worker.submit(_LAND, task, ready=ready)
+
+    def landed(self) -> None:
+        """A landing ended (called by the landing itself, also when it failed)."""
+        with self._landings_lock:
+            self._landings -= 1
+        self.worker.notify()
+
+    def speculate(self, unit: UnitState, key: Callable[[], UpdateKey], update: Callable[[UnitState, UpdateKey], None]
+                  ) -> None:
+        """Queue the unit's update for the step as it would be if nothing is clipped or skipped (`key()`), unless
+        the window is decided before the worker gets to it."""
+        window = self.window
+
+        def task() -> None:
+            if window != self.window or unit.phase is Phase.EMPTY:
+                return  # decided already: finalizing does the exact work
+            speculated = key()
+            update(unit, speculated)
+            unit.speculation = speculated
+
+        self.worker.submit(_SPECULATE, task)
+
+    # -- step -------------------------------------------------------------------------------------------------
+
+    def wait_for_landings(self) -> None:
+        self.worker.wait_until(lambda: self._landings == 0)
+        if self.await_speculation:
+            self.worker.wait_idle()
+
+    def decided(self) -> None:
+        """The window's step is decided: its speculations not yet run are stale."""
+        self.window += 1
+
+    def judge(self, unit: UnitState, key: UpdateKey) -> str | None:
+        """"kept" when the unit's speculation is the decided update, "redone" when it is not, None when there was
+        none; counted in `speculations`."""
+        if unit.speculation is None:
+            return None
+        outcome = "kept" if unit.speculation == key else "redone"
+        self.speculations[outcome] += 1
+        return outcome
+
+    def finalize(self, task: Callable[[], None]) -> None:
+        self.worker.submit(_FINALIZE, task)
+
+    # -- forward ----------------------------------------------------------------------------------------------
+
+    def wait_finalized(self, unit: UnitState) -> float:
+        """Block until the unit's update is on its way to the accelerator; the seconds it took."""
+        if unit.phase is not Phase.FINALIZING:
+            return 0.0
+        start = time.perf_counter()
+        self.worker.wait_until(lambda: unit.phase is not Phase.FINALIZING)
+        return time.perf_counter() - start
+
+    def wait_idle(self) -> None:
+        self.worker.wait_idle()
+
+    def close(self) -> None:
+        """End the thread (dropping queued work: close after `wait_idle`) and restore the switch interval."""
+        self.worker.close()
+        sys.setswitchinterval(self._switch_interval)
