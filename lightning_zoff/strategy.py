@@ -614,7 +614,8 @@ class ZoffStrategy(ParallelStrategy):
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
         if self.engine is not None:
-            self.engine.wait_idle()
+            # its thread ends and its hooks go; its state stays for trainer.save_checkpoint and leaves with the Trainer
+            self.engine.detach()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()

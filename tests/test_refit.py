@@ -122,13 +122,17 @@ def refit_bf16(rank: int, out: Path) -> None:
     def workers() -> int:
         return sum(t.name == "zoff-host-worker" and t.is_alive() for t in threading.enumerate())
 
-    def gate_hooks() -> list[int]:  # forward pre-hooks on each unit: FSDP2's own and the engine's gate
+    def gate_hooks(module) -> list[int]:  # forward pre-hooks on each unit: FSDP2's own and, while training, the engine's
         return [len(m._forward_pre_hooks) for m in module.modules() if isinstance(m, FSDPModule)]
 
+    class Training(pl.Callback):  # what a fit looks like while it trains
+        def on_train_end(self, trainer, pl_module):
+            self.workers, self.hooks, self.interval = workers(), gate_hooks(pl_module), sys.getswitchinterval()
+
     interval = sys.getswitchinterval()
-    masters = KeepMasters()
-    trainer, module = fit(out, ZoffStrategy(), precision="bf16-mixed", max_steps=2, callbacks=[masters])
-    hooks_after_first = gate_hooks()
+    masters, training = KeepMasters(), Training()
+    trainer, module = fit(out, ZoffStrategy(), precision="bf16-mixed", max_steps=2, callbacks=[masters, training])
+    hooks_after_first = gate_hooks(module)
     trainer.fit_loop.epoch_loop.max_steps = 4
     trainer.fit(module, token_loader())
     kept = masters.at_end[0]
@@ -137,17 +141,20 @@ def refit_bf16(rank: int, out: Path) -> None:
         # the masters hold more than their 16-bit copies on the accelerator, so carrying those would show
         "masters_beyond_bf16": any(not torch.equal(v, v.bfloat16().float()) for v in kept.values()),
         "trained_on": any(not torch.equal(masters.at_end[1][k], v) for k, v in kept.items()),
-        "workers": workers(),
-        "hooks_kept": gate_hooks() == hooks_after_first,
+        "workers_while_training": training.workers,
+        "interval_lowered_while_training": training.interval < interval,
+        # the strategy's teardown ended the engine's thread, removed its gates and restored the switch interval
+        "workers_after_fit": workers(),
+        "hooks_removed": gate_hooks(module) == hooks_after_first == [n - 1 for n in training.hooks],
+        "interval_restored": sys.getswitchinterval() == interval,
     }
-    engine = trainer.strategy.engine
-    master = weakref.ref(engine.units[0].master)
-    engine.close()
-    engine.close()  # idempotent
+    # the state stays for trainer.save_checkpoint after fit, and leaves with the Trainer (the model refers to it)
+    master = weakref.ref(trainer.strategy.engine.units[0].master)
+    trainer.save_checkpoint(out / "after_fit.ckpt")  # collective: the same path on every rank
+    held_after_fit = master() is not None
+    del trainer, module, masters, training
     gc.collect()
-    result |= {"workers_after_close": workers(), "interval_restored": sys.getswitchinterval() == interval,
-               "hooks_removed": gate_hooks() == [n - 1 for n in hooks_after_first],
-               "buffers_released": master() is None}
+    result |= {"state_held_after_fit": held_after_fit, "buffers_released": master() is None}
     (out / f"refit{rank}.json").write_text(json.dumps(result))
 
 
@@ -155,9 +162,10 @@ def test_second_fit_starts_from_the_fp32_masters_and_releases_the_first_engine(t
     in_ranks(refit_bf16, tmp_path)
     for rank in (0, 1):
         result = json.loads((tmp_path / f"refit{rank}.json").read_text())
-        assert result == {"masters_carried": True, "masters_beyond_bf16": True, "trained_on": True, "workers": 1,
-                          "hooks_kept": True, "workers_after_close": 0, "interval_restored": True,
-                          "hooks_removed": True, "buffers_released": True}, rank
+        assert result == {"masters_carried": True, "masters_beyond_bf16": True, "trained_on": True,
+                          "workers_while_training": 1, "interval_lowered_while_training": True,
+                          "workers_after_fit": 0, "hooks_removed": True, "interval_restored": True,
+                          "state_held_after_fit": True, "buffers_released": True}, rank
 
 
 def fit_another_module(rank: int, out: Path) -> None:

@@ -140,7 +140,7 @@ class OffloadEngine:
         self.h2d_stream = torch.cuda.Stream(self.param_device) if on_cuda else None
         self.scheduler = HostScheduler() if self.overlap else None
         self._hooks: list[UnitHooks] = []
-        self._closed = False
+        self._detached = False
         self._landed_order: list[UnitState] = []  # this backward's units, in the order their gradients arrived
 
     def _new_grad_sum(self, numel: int) -> torch.Tensor:
@@ -431,12 +431,13 @@ class OffloadEngine:
 
     # -- lifetime -------------------------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Retire the engine: wait for its work, remove its hooks, end its worker (restoring the switch interval) and
-        let go of its state. Closing again does nothing."""
-        if self._closed:
+    def detach(self) -> None:
+        """Stop training with this engine (the end of a fit): wait for its work, remove its hooks, end its worker
+        thread and restore the switch interval. The state stays for checkpoints and the next fit's `fp32_shards`;
+        it goes with the engine. Detaching again does nothing."""
+        if self._detached:
             return
-        self._closed = True
+        self._detached = True
         try:
             self.wait_idle()
         finally:
@@ -445,4 +446,9 @@ class OffloadEngine:
             self._hooks.clear()
             if self.scheduler is not None:
                 self.scheduler.close()
-            self.units, self._modules, self._landed_order = [], [], []
+                self.scheduler = None
+
+    def close(self) -> None:
+        """Detach and let go of the state (a new engine replaces this one)."""
+        self.detach()
+        self.units, self._modules, self._landed_order = [], [], []
