@@ -31,6 +31,11 @@ def _meminfo_bytes(field: str) -> int | None:
     return None
 
 
+def host_memory_total() -> int | None:
+    """The machine's memory; ZOFF_HOST_MEMORY_BYTES overrides it (tests, shared hosts)."""
+    return int(os.environ.get("ZOFF_HOST_MEMORY_BYTES", 0)) or _meminfo_bytes("MemTotal")
+
+
 def host_bytes(trained: int, reduced: int, *, param_bytes: int, second_moment: bool, overlap: bool, accum_bytes: int,
                moment_bytes: int) -> int:
     """Host bytes of a rank whose optimizer trains `trained` elements of a flat shard in which FSDP2 reduces `reduced`
@@ -55,7 +60,7 @@ def check_host_budget(elements: int, ranks_on_node: int, *, param_bytes: int, se
         return ranks_on_node * host_bytes(elements, reduced, **{**options, **change})  # type: ignore[arg-type]
 
     needed = needs()
-    total = int(os.environ.get("ZOFF_HOST_MEMORY_BYTES", 0)) or _meminfo_bytes("MemTotal")
+    total = host_memory_total()
     if total is None:
         return
     gb = 1e9

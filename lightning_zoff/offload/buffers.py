@@ -32,3 +32,12 @@ def host_empty(numel: int, dtype: torch.dtype, device: torch.device, pin: bool) 
                 stacklevel=2,
             )
         return torch.empty(numel, dtype=dtype)
+
+
+def record_event(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    """An event at the current end of `stream`'s work (None without a CUDA stream: CPU copies are synchronous)."""
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event

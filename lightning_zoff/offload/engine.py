@@ -6,7 +6,7 @@
    this backward and gives the others a zero one, so every rank reduces the same tensors (`on_grads_noted`). We copy
    the shard, still in the parameter dtype (2 B/param in 16-bit modes), into the unit's pinned `grad_staging`
    without blocking, record an event and hand the unit to the host worker (`_land`; the
-   worker, its priorities and the speculation: `scheduler.py`). With
+   worker, its priorities and the speculation: `scheduler.py`; this backward half: `landing.py`). With
    `accumulate_on_accelerator`, the hook instead adds each shard into an fp32 buffer on the accelerator and the
    host receives the sum once, at the window's end (or after every micro-batch, freeing the buffer in between,
    unless `retain_device_sum`).
@@ -28,6 +28,9 @@
    the result; else the kernel runs again from the untouched state. Commit by swapping `spare` with the state, then
    copy the updated 16-bit shards host-to-device on a side stream into FSDP2's sharded parameters. The unit's next
    forward waits for exactly that copy (`gate`), nothing else does.
+A unit whose state is placed on the accelerator (`Placement.ACCELERATOR`) takes the same path there: its shard stays
+on the accelerator, lands and updates inline with torch ops (no spare, no worker), and the copy into FSDP2's shard
+is queued after the update on the accelerator's streams.
 A unit's state and its phase in the window (EMPTY, SUMMING, READY, FINALIZING) are a `UnitState`
 (`unit_state.py`); what the engine moved and holds is counted in `accounting.py`, checked against the machine in
 `budget.py`.
@@ -38,21 +41,24 @@ The kernels, their inputs and the order of every sum are the same, so both paths
 from __future__ import annotations
 
 import time
+from collections.abc import Collection, Sequence
 from contextlib import nullcontext
 
 import torch
 from torch import nn
 
-from lightning_zoff import ops
 from lightning_zoff.offload.accounting import Traffic, describe_memory, memory_report
-from lightning_zoff.offload.budget import check_unit_budget
+from lightning_zoff.offload.budget import check_unit_budget, host_memory_total
 from lightning_zoff.offload.decision import Decision, StepOutcome, decide
-from lightning_zoff.offload.buffers import host_empty
+from lightning_zoff.offload.buffers import record_event
+from lightning_zoff.offload.landing import GradientLanding
 from lightning_zoff.offload.fsdp_hooks import UnitHooks, order_after_copy
-from lightning_zoff.offload.layout import unit_layout
+from lightning_zoff.offload.layout import unit_layouts
+from lightning_zoff.offload.placement import initial_placement, unit_costs
 from lightning_zoff.offload.scheduler import HostScheduler
 from lightning_zoff.offload.unit_state import (
     ParamState, Phase, Placement, TrainedParam, UnitState, UpdateKey, build_unit_state, kernel_runs, param_states,
+    relocate,
 )
 from lightning_zoff.optim.rules import GroupHyperparams, UpdateRule, update_rule_for, warn_if_bf16_moments_cannot_decay
 from lightning_zoff.optim.update import update
@@ -60,15 +66,7 @@ from lightning_zoff.optim.update import update
 __all__ = ["OffloadEngine", "StepOutcome", "describe_memory"]
 
 
-def _record_event(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
-    if stream is None:
-        return None
-    event = torch.cuda.Event()
-    event.record(stream)
-    return event
-
-
-class OffloadEngine:
+class OffloadEngine(GradientLanding):
     """Holds one rank's fp32 master shard and optimizer state and runs the update for every FSDP2 unit. `masters`
     (fp32 shards by id of the sharded parameter) is emptied as the state takes them over."""
 
@@ -89,6 +87,8 @@ class OffloadEngine:
         retain_device_sum: bool = False,
         overlap: bool = True,
         ranks_on_node: int = 1,
+        accelerator_state: str | float = "none",
+        forward_order: Sequence[str] | None = None,
     ) -> None:
         self.grad_sum_dtype = grad_accum_dtype or torch.float32
         self.moment_dtype = moment_dtype  # of exp_avg and exp_avg_sq; the master is fp32
@@ -98,8 +98,7 @@ class OffloadEngine:
         self.pin_memory = pin_memory
         self.accumulate_on_accelerator = accumulate_on_accelerator
         self.retain_device_sum = retain_device_sum
-        self.placement = Placement.HOST if state_device.type == "cpu" else Placement.ACCELERATOR
-        self.overlap = overlap and self.placement is Placement.HOST  # speculation needs the kernels' `into`
+        self.overlap = overlap and state_device.type == "cpu"  # speculation needs the kernels' `into`
         self.window_ends = False
         self.loss_scale = 1.0
         self.traffic = Traffic()
@@ -110,29 +109,37 @@ class OffloadEngine:
         self.world_size = world_size
         self.state_device = state_device
         group_of = {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
-        layouts = [(unit_layout(name, module, world_size), module) for name, module in units]
-        layouts = [(layout, module) for layout, module in layouts if layout.slots or layout.frozen]
-        params = [p for layout, _ in layouts for p in [*(s.param for s in layout.slots), *layout.frozen]]
-        if set(group_of) - {id(p) for p in params}:
-            raise ValueError(
-                f"{len(set(group_of) - {id(p) for p in params})} parameter(s) of the optimizer are not parameters of"
-                " the sharded model; zoff can only optimize the LightningModule's own parameters, passed after"
-                " sharding (configure_optimizers)."
-            )
+        layouts = unit_layouts(units, world_size, set(group_of))
+        params = [p for layout, _ in layouts for p in layout.params]
         self.param_device = params[0].device if params else state_device
-        if self.placement is Placement.HOST:
-            check_unit_budget([layout for layout, _ in layouts], group_of, ranks_on_node,
+        # units by name, in the order a forward enters them: guessed (`forward_order`) until the gates saw one
+        guess = {name: i for i, name in enumerate(forward_order or ())}
+        self.forward_order = sorted((layout.name for layout, _ in layouts), key=lambda n: guess.get(n, len(guess)))
+        self._seen_forward: list[str] | None = []  # recorded by the gates during the first forward
+        self.costs = {c.name: c for c in unit_costs(
+            [layout for layout, _ in layouts], group_of, param_bytes=params[0].element_size() if params else 2,
+            moment_bytes=moment_dtype.itemsize, second_moment=self.rule is not UpdateRule.LION, overlap=self.overlap,
+            accum_bytes=self.grad_sum_dtype.itemsize if self.sums_windows else 0)}
+        on_accelerator = initial_placement(
+            [self.costs[n] for n in self.forward_order], accelerator_state,
+            accelerator_is_cpu=self.param_device.type == "cpu",
+            host_capacity=(host_memory_total() or 0) // ranks_on_node or None)
+        placements = [Placement.ACCELERATOR if state_device.type != "cpu" or layout.name in on_accelerator
+                      else Placement.HOST for layout, _ in layouts]
+        if Placement.HOST in placements:
+            check_unit_budget([layout for (layout, _), where in zip(layouts, placements) if where is Placement.HOST],
+                              group_of, ranks_on_node,
                               second_moment=self.rule is not UpdateRule.LION, overlap=self.overlap,
                               accum_bytes=self.grad_sum_dtype.itemsize if self.sums_windows else 0,
                               moment_bytes=moment_dtype.itemsize)
         if moment_dtype == torch.bfloat16:
             warn_if_bf16_moments_cannot_decay(self.rule, optimizer)
         self.units = [
-            build_unit_state(layout, masters, group_of, placement=self.placement, device=state_device,
+            build_unit_state(layout, masters, group_of, placement=where, device=self._device(where),
                              moments=1 if self.rule is UpdateRule.LION else 2, moment_dtype=moment_dtype,
-                             spare=self.overlap, grad_sum=self._new_grad_sum(layout.flat_numel) if self.sums_windows
-                             else None, pin=pin_memory)
-            for layout, _ in layouts
+                             spare=self.overlap and where is Placement.HOST, sums_windows=self.sums_windows,
+                             grad_sum_dtype=self.grad_sum_dtype, pin=pin_memory and where is Placement.HOST)
+            for (layout, _), where in zip(layouts, placements)
         ]
         self._modules = [module for _, module in layouts]
         on_cuda = self.param_device.type == "cuda"
@@ -143,14 +150,8 @@ class OffloadEngine:
         self._detached = False
         self._landed_order: list[UnitState] = []  # this backward's units, in the order their gradients arrived
 
-    def _new_grad_sum(self, numel: int) -> torch.Tensor:
-        return host_empty(numel, self.grad_sum_dtype, self.state_device, self.pin_memory).zero_()
-
-    def _grad_sum(self, unit: UnitState) -> torch.Tensor:
-        """The unit's window sum, allocated when a window of several micro-batches first needs it."""
-        if unit.grad_sum is None:
-            unit.grad_sum = self._new_grad_sum(unit.layout.flat_numel)
-        return unit.grad_sum
+    def _device(self, placement: Placement) -> torch.device:
+        return self.state_device if placement is Placement.HOST else self.param_device
 
     # -- backward -------------------------------------------------------------------------------------------
 
@@ -166,120 +167,6 @@ class OffloadEngine:
         self.window_ends = window_ends
         self.loss_scale = loss_scale
         self._landed_order = []
-
-    def on_grads_noted(self, index: int, used: list[bool]) -> None:
-        # FSDP2 is about to reduce the unit: which of its parameters got a gradient on this rank (the others get zeros)
-        unit = self.units[index]
-        if len(used) != len(unit.used):
-            raise RuntimeError(
-                f"zoff: unit {unit.layout.name!r} has {len(used)} parameters that require a gradient, {len(unit.used)}"
-                " when fit started. Set requires_grad before trainer.fit; zoff fixes what it trains for each fit."
-            )
-        unit.used = [a or b for a, b in zip(unit.used, used)]
-
-    def on_unit_reduced(self, index: int, flat_grad: torch.Tensor) -> None:
-        # Runs inside FSDP2's backward, on the copy stream; FSDP2's later use of `flat_grad` is on this stream too.
-        unit = self.units[index]
-        if flat_grad.numel() != unit.layout.flat_numel:
-            raise RuntimeError(
-                f"zoff: unit {unit.layout.name!r} reduced {flat_grad.numel()} gradient elements, expected"
-                f" {unit.layout.flat_numel}; this torch version lays out FSDP2 shards differently."
-            )
-        unit.staging_free.wait()  # the worker still reads the previous micro-batch's shard (rare: it keeps up)
-        unit.staging_free.clear()
-        window_ends = self.window_ends
-        if not self.accumulate_on_accelerator or (window_ends and unit.phase is Phase.EMPTY):
-            # host accumulation, or a window of one micro-batch: the 16-bit shard goes down as it is
-            unit.grad_staging.copy_(flat_grad, non_blocking=True)
-            self.traffic.add(d2h_bytes=unit.grad_staging.nbytes)
-        else:
-            self._accumulate_on_accelerator(unit, flat_grad, window_ends)
-        unit.grad_copied = _record_event(self.copy_stream)
-        self._landed_order.append(unit)
-        if self.scheduler is not None:
-            event = unit.grad_copied
-            self.scheduler.land(lambda: self._land(unit, window_ends), ready=None if event is None else event.query)
-
-    def _accumulate_on_accelerator(self, unit: UnitState, flat_grad: torch.Tensor, window_ends: bool) -> None:
-        # The window's sum lives in an accelerator buffer; the host sees it once, at the window's end. Unless
-        # retained, the buffer goes down to the host after every micro-batch and comes back (exactly) for the next.
-        grad_sum = self._grad_sum(unit)
-        if unit.device_sum is None and unit.phase is not Phase.EMPTY:
-            unit.device_sum = grad_sum.to(self.param_device, non_blocking=True, copy=True)
-            self.traffic.add(h2d_bytes=grad_sum.nbytes)
-        if unit.device_sum is None:
-            unit.device_sum = flat_grad.to(grad_sum.dtype, copy=True)
-        else:
-            unit.device_sum.add_(flat_grad)
-        if window_ends or not self.retain_device_sum:
-            grad_sum.copy_(unit.device_sum, non_blocking=True)
-            self.traffic.add(d2h_bytes=grad_sum.nbytes)
-
-    @torch.no_grad()
-    def after_backward(self) -> None:
-        """Free the accelerator's gradients (the copies are ordered before any reuse of their memory by FSDP2's
-        end of backward); without overlap, land every unit now."""
-        if self.scheduler is None:
-            for unit in self._landed_order:
-                self._land(unit, self.window_ends)
-        for unit in self.units:
-            for slot in unit.layout.slots:
-                slot.param.grad = None
-
-    @torch.no_grad()
-    def _land(self, unit: UnitState, window_ends: bool) -> None:
-        """Fold the arrived shard into the window's sum; at the window's end take its sum of squares."""
-        try:
-            if unit.phase is Phase.READY and unit.window_grad is unit.grad_staging:
-                # the staged gradient was just overwritten: refuse, never guess
-                raise RuntimeError("zoff: a second backward ran after the window's last one, before the step")
-            if unit.grad_copied is not None:
-                unit.grad_copied.synchronize()
-            if self.accumulate_on_accelerator and unit.device_sum is not None:
-                if window_ends or not self.retain_device_sum:
-                    unit.device_sum = None  # the host holds the sum now
-                unit.window_grad = self._grad_sum(unit)
-            elif unit.phase is not Phase.EMPTY:
-                self._accumulate(self._grad_sum(unit), unit.grad_staging)
-            elif window_ends:
-                unit.window_grad = unit.grad_staging  # the kernel reads it there
-            else:
-                unit.window_grad = self._accumulate(self._grad_sum(unit), unit.grad_staging, replace=True)
-            unit.phase = Phase.READY if window_ends else Phase.SUMMING
-            if window_ends:
-                unit.sumsq = self._unit_sumsq(unit)
-                if self.scheduler is not None:
-                    scale = 1.0 / (self.world_size * self.loss_scale)
-                    # as if every parameter had a gradient and nothing is clipped or skipped
-                    self.scheduler.speculate(unit, lambda: self._key(unit, scale, self._hyper(), [True] * len(unit.trained)),
-                                             self._update)
-        finally:
-            if unit.window_grad is not unit.grad_staging:
-                unit.staging_free.set()
-            if self.scheduler is not None:
-                self.scheduler.landed()
-
-    def _accumulate(self, total: torch.Tensor, shard: torch.Tensor, replace: bool = False) -> torch.Tensor:
-        # the kernel, not torch, on the host: it runs on this rank's optimizer threads (torch's pool is small there)
-        if total.device.type == "cpu":
-            ops.accumulate(total, shard, replace=replace, threads=self.threads)
-        elif replace:
-            total.copy_(shard)
-        else:
-            total.add_(shard)
-        return total
-
-    def _unit_sumsq(self, unit: UnitState) -> float:
-        """Of the trained parameters' gradient only: clipping, like Lightning's, takes the optimizer's parameters."""
-        grad = unit.window_grad
-        assert grad is not None
-        total = 0.0
-        for start, end in unit.grad_spans:
-            if grad.device.type == "cpu":
-                total += ops.grad_sumsq_finite(grad[start:end], threads=self.threads)[0]
-            else:
-                total += torch.linalg.vector_norm(grad[start:end], dtype=torch.float32).double().item() ** 2
-        return total
 
     # -- step -----------------------------------------------------------------------------------------------
 
@@ -298,17 +185,23 @@ class OffloadEngine:
         if self.scheduler is not None:
             self.scheduler.decided()
         if not decision.skipped:  # counted here, so each step reports its own copies even when they end during the next
-            self.traffic.add(h2d_bytes=sum(p.slot.local.nbytes for unit in units
+            self.traffic.add(h2d_bytes=sum(p.slot.local.nbytes for unit in units if unit.placement is Placement.HOST
                                            for p, is_used in zip(unit.trained, decision.used[unit]) if is_used))
         order = self._landed_order[::-1] + [u for u in units if u not in self._landed_order]
         for unit in order:  # the next forward needs them about in the reverse of backward's order
-            if unit.phase is not Phase.EMPTY:
-                unit.phase = Phase.FINALIZING
-                if self.scheduler is not None:
-                    self.scheduler.finalize(lambda unit=unit: self._finalize(unit, decision))
-                else:
-                    self._finalize(unit, decision)
+            unit.phase = Phase.FINALIZING
+            if self.scheduler is not None and unit.placement is Placement.HOST:
+                self.scheduler.finalize(lambda unit=unit: self._finalize(unit, decision))
+        for unit in order:  # the accelerator's units meanwhile, queued on its stream
+            if self.scheduler is None or unit.placement is Placement.ACCELERATOR:
+                self._finalize(unit, decision)
         return outcome
+
+    def _speculate(self, unit: UnitState) -> None:
+        scale = 1.0 / (self.world_size * self.loss_scale)
+        # as if every parameter had a gradient and nothing is clipped or skipped
+        self.scheduler.speculate(unit, lambda: self._key(unit, scale, self._hyper(), [True] * len(unit.trained)),
+                                 self._update)
 
     @staticmethod
     def _key(unit: UnitState, scale: float, hyper: tuple[GroupHyperparams, ...], used: list[bool]) -> UpdateKey:
@@ -333,8 +226,11 @@ class OffloadEngine:
 
     def _update(self, unit: UnitState, key: UpdateKey) -> None:
         """Run the kernel over every run of the key: into `spare` with overlap, in place without."""
-        if unit.params_copied is not None:
-            unit.params_copied.synchronize()  # param_staging still feeds the last step's copy
+        if unit.params_copied is not None:  # param_staging still feeds the last step's copy
+            if unit.placement is Placement.HOST:
+                unit.params_copied.synchronize()
+            else:
+                torch.cuda.current_stream(unit.device).wait_event(unit.params_copied)
         grad, state = unit.window_grad, unit.state
         assert grad is not None
         start = time.perf_counter()
@@ -343,7 +239,8 @@ class OffloadEngine:
             into = None if unit.spare is None else tuple(t[s:e] for t in unit.spare)
             update(self.rule, hyper, run.step, state[0][s:e], grad[g], state[1][s:e],
                    None if len(state) == 2 else state[2][s:e], grad_scale=key.scale,
-                   out=None if unit.fp32_params else unit.param_staging[s:e], into=into, threads=self.threads)
+                   out=None if unit.fp32_params else unit.param_staging[s:e], into=into, threads=self.threads,
+                   on_host=unit.placement is Placement.HOST)
         self.traffic.add(cpu_update_s=time.perf_counter() - start)
 
     def _commit(self, unit: UnitState, used: list[bool]) -> None:
@@ -363,11 +260,13 @@ class OffloadEngine:
     def _send(self, unit: UnitState, params: list[TrainedParam], non_blocking: bool) -> None:
         """Copy the parameters' 16-bit rows from `param_staging` into FSDP2's sharded parameters."""
         stream = self.h2d_stream
+        if stream is not None and unit.placement is Placement.ACCELERATOR:
+            stream.wait_stream(torch.cuda.current_stream(unit.device))  # the update that wrote param_staging
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             for param in params:
                 local = param.slot.local
                 local.copy_(unit.rows(param, unit.param_staging).view_as(local), non_blocking=non_blocking)
-        unit.params_copied = _record_event(stream)
+        unit.params_copied = record_event(stream)
 
     # -- forward --------------------------------------------------------------------------------------------
 
@@ -375,6 +274,8 @@ class OffloadEngine:
         """Before a unit's forward: wait until its update is decided and on its way, then order FSDP2's all-gather
         of its shards after that copy."""
         unit = self.units[index]
+        if self._seen_forward is not None and unit.layout.name not in self._seen_forward:
+            self._seen_forward.append(unit.layout.name)
         if self.scheduler is not None:
             self.gate_wait_s += self.scheduler.wait_finalized(unit)
         order_after_copy(unit.params_copied, self._modules[index], self.param_device)
@@ -422,6 +323,15 @@ class OffloadEngine:
             if not unit.fp32_params:
                 unit.param_staging.copy_(unit.master)
             self._send(unit, unit.trained, non_blocking=False)
+
+    def move(self, names: Collection[str], placement: Placement) -> None:
+        """Move the named units' state to `placement` (exact copies; between steps)."""
+        self.wait_idle()
+        for unit in self.units:
+            if unit.layout.name in names and unit.placement is not placement:
+                host = placement is Placement.HOST
+                relocate(unit, placement, self._device(placement), spare=self.overlap and host,
+                         grad_sum_dtype=self.grad_sum_dtype, pin=self.pin_memory and host)
 
     def fp32_shards(self) -> dict[int, torch.Tensor]:
         """Copies of this rank's fp32 rows of every sharded parameter of the units, by id of the parameter (the master

@@ -36,6 +36,11 @@ class UnitLayout:
     flat_numel: int
     frozen: tuple[nn.Parameter, ...]  # sharded parameters that require no gradient: never reduced, never updated
 
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """Every sharded parameter of the unit: those in the flat gradient, then the frozen ones."""
+        return [*(slot.param for slot in self.slots), *self.frozen]
+
 
 def padded_shard_numel(global_shape: torch.Size, world_size: int) -> int:
     rows = math.ceil(global_shape[0] / world_size) if len(global_shape) else 1
@@ -53,3 +58,18 @@ def unit_layout(name: str, module: nn.Module, world_size: int) -> UnitLayout:
         slots.append(ParamSlot(param, offset, numel, padded))
         offset += padded
     return UnitLayout(name, tuple(slots), offset, tuple(frozen))
+
+
+def unit_layouts(units: list[tuple[str, nn.Module]], world_size: int, optimized: set[int]
+                 ) -> list[tuple[UnitLayout, nn.Module]]:
+    """The layouts of the units that hold parameters; `optimized` (ids of the optimizer's parameters) must be among
+    them."""
+    layouts = [(unit_layout(name, module, world_size), module) for name, module in units]
+    layouts = [(layout, module) for layout, module in layouts if layout.params]
+    missing = optimized - {id(p) for layout, _ in layouts for p in layout.params}
+    if missing:
+        raise ValueError(
+            f"{len(missing)} parameter(s) of the optimizer are not parameters of the sharded model; zoff can only"
+            " optimize the LightningModule's own parameters, passed after sharding (configure_optimizers)."
+        )
+    return layouts

@@ -117,6 +117,10 @@ class UnitState:
         return dict(zip(("exp_avg", "exp_avg_sq"), self.state[1:]))
 
     @property
+    def device(self) -> torch.device:
+        return self.master.device
+
+    @property
     def fp32_params(self) -> bool:
         """The parameters are fp32 (32-true): they go back to the accelerator straight from the master."""
         return self.param_staging is self.master
@@ -150,11 +154,12 @@ def build_unit_state(
     moments: int,
     moment_dtype: torch.dtype,
     spare: bool,
-    grad_sum: torch.Tensor | None,
+    sums_windows: bool,
+    grad_sum_dtype: torch.dtype,
     pin: bool,
 ) -> UnitState:
-    """State for the unit's trained parameters, their rows taken from `masters` (fp32 shards by id of the sharded
-    parameter), which are consumed: the model's fp32 copies are freed as the state fills."""
+    """State for the unit's trained parameters on `device`, their rows taken from `masters` (fp32 shards by id of
+    the sharded parameter), which are consumed: the model's fp32 copies are freed as the state fills."""
     trained, state_numel = [], 0
     for index, slot in enumerate(layout.slots):
         group = group_of.get(id(slot.param))
@@ -176,19 +181,40 @@ def build_unit_state(
         else:
             spans.append((start, end))
     param_dtype = (layout.slots[0].param if layout.slots else layout.frozen[0]).dtype
-    if param_dtype == torch.float32:
-        param_staging = state[0]
-    else:
-        param_staging = host_empty(state_numel, param_dtype, device, pin)
-        param_staging.copy_(state[0])
-    unit = UnitState(
-        layout, placement, trained, spans, state,
-        spare=[t.clone() for t in state] if spare else None,  # a copy: the rows no update writes (padding) agree
-        grad_sum=grad_sum, grad_staging=host_empty(layout.flat_numel, param_dtype, device, pin),
-        param_staging=param_staging, used=[False] * len(layout.slots),
-    )
+    unit = UnitState(layout, placement, trained, spans, state, spare=None, grad_sum=None,
+                     grad_staging=state[0], param_staging=state[0], used=[False] * len(layout.slots))
+    _make_buffers(unit, param_dtype, device, spare=spare, sums_windows=sums_windows, grad_sum_dtype=grad_sum_dtype,
+                  pin=pin)
     unit.staging_free.set()
     return unit
+
+
+def relocate(unit: UnitState, placement: Placement, device: torch.device, *, spare: bool, grad_sum_dtype: torch.dtype,
+             pin: bool) -> None:
+    """Move the unit's state to `device` (exact copies) and make its buffers there. Between windows only."""
+    assert unit.phase is Phase.EMPTY and unit.speculation is None
+    param_dtype = unit.grad_staging.dtype
+    unit.state = [t.to(device, copy=True) for t in unit.state]  # pageable, as built: only the copies' buffers pin
+    unit.placement = placement
+    unit.grad_copied = unit.params_copied = None
+    _make_buffers(unit, param_dtype, device, spare=spare, sums_windows=unit.grad_sum is not None,
+                  grad_sum_dtype=grad_sum_dtype, pin=pin)
+
+
+def _make_buffers(unit: UnitState, param_dtype: torch.dtype, device: torch.device, *, spare: bool,
+                  sums_windows: bool, grad_sum_dtype: torch.dtype, pin: bool) -> None:
+    """The unit's working buffers next to its state: the spare copy (overlap), the window's gradient sum, the
+    staging buffers the gradient lands in and the 16-bit parameters leave from."""
+    # the spare starts as a copy, so the rows no update writes (padding) agree in both
+    unit.spare = [t.clone() for t in unit.state] if spare else None
+    n = unit.layout.flat_numel
+    unit.grad_sum = host_empty(n, grad_sum_dtype, device, pin).zero_() if sums_windows else None
+    unit.grad_staging = host_empty(n, param_dtype, device, pin)
+    if param_dtype == torch.float32:
+        unit.param_staging = unit.master  # fp32 shards (32-true) go back straight from the master
+    else:
+        unit.param_staging = host_empty(unit.master.numel(), param_dtype, device, pin)
+        unit.param_staging.copy_(unit.master)
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,12 @@ def update(
     out: torch.Tensor | None = None,
     into: tuple[torch.Tensor, ...] | None = None,
     threads: int | None = None,
+    on_host: bool | None = None,
 ) -> None:
     """`step` counts this step (1-based). `exp_avg_sq` is None for Lion. `into`: where the updated (param,
-    exp_avg[, exp_avg_sq]) go instead of in place (CPU only: the engine's speculative updates)."""
-    if param.device.type == "cpu":
+    exp_avg[, exp_avg_sq]) go instead of in place (CPU only: the engine's speculative updates). `on_host`: the fused
+    CPU kernel (default: for CPU tensors) or torch ops (the accelerator's path, also runnable on CPU tensors)."""
+    if param.device.type == "cpu" if on_host is None else on_host:
         _cpu_update(rule, hp, step, param, grad, exp_avg, exp_avg_sq, grad_scale, out, into, threads)
     else:
         if into is not None:

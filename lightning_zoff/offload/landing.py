@@ -1,0 +1,148 @@
+"""A unit's gradient on its way to the step, per rank: FSDP2's reduced shard into the unit's staging buffer, the
+window's sum, its sum of squares (the engine's docstring tells the whole path; `OffloadEngine` inherits this)."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_zoff.offload.accounting import Traffic
+from lightning_zoff.offload.buffers import host_empty, record_event
+from lightning_zoff.offload.grad_math import accumulate, sum_of_squares
+from lightning_zoff.offload.scheduler import HostScheduler
+from lightning_zoff.offload.unit_state import Phase, Placement, UnitState
+
+
+class GradientLanding:
+    """The engine's backward half. The engine sets these in its constructor:"""
+
+    units: list[UnitState]
+    scheduler: HostScheduler | None
+    traffic: Traffic
+    threads: int | None
+    world_size: int
+    window_ends: bool
+    loss_scale: float
+    accumulate_on_accelerator: bool
+    retain_device_sum: bool
+    pin_memory: bool
+    grad_sum_dtype: torch.dtype
+    param_device: torch.device
+    copy_stream: torch.cuda.Stream | None
+    _landed_order: list[UnitState]
+
+    def _grad_sum(self, unit: UnitState) -> torch.Tensor:
+        """The unit's window sum, allocated when a window of several micro-batches first needs it."""
+        if unit.grad_sum is None:
+            pin = self.pin_memory and unit.placement is Placement.HOST
+            unit.grad_sum = host_empty(unit.layout.flat_numel, self.grad_sum_dtype, unit.device, pin).zero_()
+        return unit.grad_sum
+
+    def on_grads_noted(self, index: int, used: list[bool]) -> None:
+        # FSDP2 is about to reduce the unit: which of its parameters got a gradient on this rank (the others get zeros)
+        unit = self.units[index]
+        if len(used) != len(unit.used):
+            raise RuntimeError(
+                f"zoff: unit {unit.layout.name!r} has {len(used)} parameters that require a gradient, {len(unit.used)}"
+                " when fit started. Set requires_grad before trainer.fit; zoff fixes what it trains for each fit."
+            )
+        unit.used = [a or b for a, b in zip(unit.used, used)]
+
+    def on_unit_reduced(self, index: int, flat_grad: torch.Tensor) -> None:
+        # Runs inside FSDP2's backward, on the copy stream; FSDP2's later use of `flat_grad` is on this stream too.
+        unit = self.units[index]
+        if flat_grad.numel() != unit.layout.flat_numel:
+            raise RuntimeError(
+                f"zoff: unit {unit.layout.name!r} reduced {flat_grad.numel()} gradient elements, expected"
+                f" {unit.layout.flat_numel}; this torch version lays out FSDP2 shards differently."
+            )
+        unit.staging_free.wait()  # the worker still reads the previous micro-batch's shard (rare: it keeps up)
+        unit.staging_free.clear()
+        window_ends = self.window_ends
+        on_host = unit.placement is Placement.HOST
+        if not on_host or not self.accumulate_on_accelerator or (window_ends and unit.phase is Phase.EMPTY):
+            # host accumulation, or a window of one micro-batch: the 16-bit shard goes down as it is (or, for a unit
+            # whose state is on the accelerator, is kept there: FSDP2 reuses `flat_grad`)
+            unit.grad_staging.copy_(flat_grad, non_blocking=True)
+            self.traffic.add(d2h_bytes=unit.grad_staging.nbytes if on_host else 0)
+        else:
+            self._accumulate_on_accelerator(unit, flat_grad, window_ends)
+        unit.grad_copied = record_event(self.copy_stream)
+        self._landed_order.append(unit)
+        if self.scheduler is not None and on_host:
+            event = unit.grad_copied
+            self.scheduler.land(lambda: self._land(unit, window_ends), ready=None if event is None else event.query)
+
+    def _accumulate_on_accelerator(self, unit: UnitState, flat_grad: torch.Tensor, window_ends: bool) -> None:
+        # The window's sum lives in an accelerator buffer; the host sees it once, at the window's end. Unless
+        # retained, the buffer goes down to the host after every micro-batch and comes back (exactly) for the next.
+        grad_sum = self._grad_sum(unit)
+        if unit.device_sum is None and unit.phase is not Phase.EMPTY:
+            unit.device_sum = grad_sum.to(self.param_device, non_blocking=True, copy=True)
+            self.traffic.add(h2d_bytes=grad_sum.nbytes)
+        if unit.device_sum is None:
+            unit.device_sum = flat_grad.to(grad_sum.dtype, copy=True)
+        else:
+            unit.device_sum.add_(flat_grad)
+        if window_ends or not self.retain_device_sum:
+            grad_sum.copy_(unit.device_sum, non_blocking=True)
+            self.traffic.add(d2h_bytes=grad_sum.nbytes)
+
+    @torch.no_grad()
+    def after_backward(self) -> None:
+        """Free the accelerator's gradients (the copies are ordered before any reuse of their memory by FSDP2's
+        end of backward); without overlap, land every unit now."""
+        for unit in self._landed_order:
+            if self.scheduler is None or unit.placement is Placement.ACCELERATOR:
+                self._land(unit, self.window_ends)
+        for unit in self.units:
+            for slot in unit.layout.slots:
+                slot.param.grad = None
+
+    @torch.no_grad()
+    def _land(self, unit: UnitState, window_ends: bool) -> None:
+        """Fold the arrived shard into the window's sum; at the window's end take its sum of squares."""
+        try:
+            if unit.phase is Phase.READY and unit.window_grad is unit.grad_staging:
+                # the staged gradient was just overwritten: refuse, never guess
+                raise RuntimeError("zoff: a second backward ran after the window's last one, before the step")
+            if unit.grad_copied is not None:
+                if unit.placement is Placement.HOST:
+                    unit.grad_copied.synchronize()
+                else:  # what reads the copy is queued after it on the accelerator
+                    torch.cuda.current_stream(unit.device).wait_event(unit.grad_copied)
+            if self.accumulate_on_accelerator and unit.device_sum is not None:
+                if window_ends or not self.retain_device_sum:
+                    unit.device_sum = None  # the host holds the sum now
+                unit.window_grad = self._grad_sum(unit)
+            elif unit.phase is not Phase.EMPTY:
+                self._accumulate(unit, self._grad_sum(unit), unit.grad_staging)
+            elif window_ends:
+                unit.window_grad = unit.grad_staging  # the kernel reads it there
+            else:
+                unit.window_grad = self._accumulate(unit, self._grad_sum(unit), unit.grad_staging, replace=True)
+            unit.phase = Phase.READY if window_ends else Phase.SUMMING
+            if window_ends:
+                unit.sumsq = self._unit_sumsq(unit)
+                if self.scheduler is not None and unit.placement is Placement.HOST:
+                    self._speculate(unit)
+        finally:
+            if unit.window_grad is not unit.grad_staging:
+                unit.staging_free.set()
+            if self.scheduler is not None:
+                self.scheduler.landed()
+
+    def _accumulate(self, unit: UnitState, total: torch.Tensor, shard: torch.Tensor, replace: bool = False
+                    ) -> torch.Tensor:
+        return accumulate(total, shard, replace=replace, kernel=self._on_host_kernels(unit), threads=self.threads)
+
+    def _unit_sumsq(self, unit: UnitState) -> float:
+        assert unit.window_grad is not None
+        return sum_of_squares(unit.window_grad, unit.grad_spans, kernel=self._on_host_kernels(unit),
+                              threads=self.threads)
+
+    @staticmethod
+    def _on_host_kernels(unit: UnitState) -> bool:
+        return unit.placement is Placement.HOST and unit.device.type == "cpu"
+
+    def _speculate(self, unit: UnitState) -> None:
+        raise NotImplementedError  # the engine's: queue the unit's update as if nothing is clipped or skipped
