@@ -126,7 +126,8 @@ class Probe(Callback):
             engine.wait_idle()
             info["memory"] = engine.memory_report()
             info["state_devices"] = sorted({str(t.device) for u in engine.units for t in u.host_tensors})
-            info["state_dtypes"] = sorted({str(t.dtype) for u in engine.units for t in (u.master, u.exp_avg, u.exp_avg_sq) if t is not None})
+            states = (t for u in engine.units for t in (u.master, u.exp_avg, u.exp_avg_sq))
+            info["state_dtypes"] = sorted({str(t.dtype) for t in states if t is not None})
             info["torch_state_empty"] = all(len(s) == 0 for s in trainer.optimizers[0].state.values())
         (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(info))
 
