@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import os
 
+import psutil
+
 log = logging.getLogger("lightning_zoff")
 
 
@@ -16,17 +18,6 @@ def host_bytes_per_element(*, param_bytes: int, second_moment: bool, overlap: bo
     state = 4 + moment_bytes * (2 if second_moment else 1)
     staging = param_bytes + (0 if param_bytes == 4 else param_bytes)  # fp32 params go back from the master itself
     return state * (2 if overlap else 1) + accum_bytes + staging
-
-
-def _meminfo_bytes(field: str) -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def host_bytes(trained: int, reduced: int, *, param_bytes: int, second_moment: bool, overlap: bool, accum_bytes: int,
@@ -53,14 +44,14 @@ def check_host_budget(elements: int, ranks_on_node: int, *, param_bytes: int, se
         return ranks_on_node * host_bytes(elements, reduced, **{**options, **change})  # type: ignore[arg-type]
 
     needed = needs()
-    total = int(os.environ.get("ZOFF_HOST_MEMORY_BYTES", 0)) or _meminfo_bytes("MemTotal")
-    if total is None:
-        return
+    memory = psutil.virtual_memory()
+    total = int(os.environ.get("ZOFF_HOST_MEMORY_BYTES", 0)) or memory.total
     gb = 1e9
     trained = (f"{elements:,} trained elements ({untrained:,} more are frozen or outside the optimizer and keep no"
                " host state)" if untrained else f"{elements:,} elements")
     if needed > total:
-        smaller, together = [], {}
+        smaller: list[str] = []
+        together: dict[str, object] = {}
         if overlap:
             smaller.append(f"overlap=False ({needs(overlap=False) / gb:.1f} GB)")
             together["overlap"] = False
@@ -78,7 +69,6 @@ def check_host_budget(elements: int, ranks_on_node: int, *, param_bytes: int, se
             f" x {trained} x {needed / ranks_on_node / max(elements, 1):.3g} B) but the machine has"
             f" {total / gb:.1f} GB. Options: " + "; ".join(smaller) + "."
         )
-    available = _meminfo_bytes("MemAvailable")
-    if available is not None and needed > available:
-        log.warning("zoff: the optimizer state needs %.1f GB of host memory on this node, more than the %.1f GB free now",
-                    needed / gb, available / gb)
+    if needed > memory.available:
+        log.warning("zoff: the optimizer state needs %.1f GB of host memory on this node, more than the %.1f GB free"
+                    " now", needed / gb, memory.available / gb)
