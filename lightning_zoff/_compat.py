@@ -5,14 +5,18 @@ one breaks here (and in tests/test_compat.py), not somewhere in the data path. C
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
-from lightning.fabric.utilities.distributed import _distributed_is_initialized as distributed_is_initialized
-from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher as MultiProcessingLauncher
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized as distributed_is_initialized,
+    _init_dist_connection as init_dist_connection,
+    _sync_ddp_if_available as sync_ddp_if_available,
+)
+from lightning.pytorch.strategies.launchers import (
+    _MultiProcessingLauncher as MultiProcessingLauncher,
+    _SubprocessScriptLauncher as SubprocessScriptLauncher,
+)
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput as WorkerOutput
 from torch import nn
 
@@ -62,7 +66,7 @@ def all_gather_streams(module: nn.Module) -> list[torch.Stream] | None:
     """The streams FSDP2 all-gathers the unit's parameters on, or None if this torch keeps them elsewhere."""
     comm = getattr(module._get_fsdp_state(), "_comm_ctx", None)  # type: ignore[operator]
     streams = [getattr(comm, name, None) for name in ("all_gather_copy_in_stream", "all_gather_stream")]
-    return None if any(s is None for s in streams) else streams
+    return None if any(s is None for s in streams) else cast("list[torch.Stream]", streams)
 
 
 def before_reduce(module: nn.Module, report: Callable[[list[bool]], None]) -> None:
@@ -84,7 +88,7 @@ def before_reduce(module: nn.Module, report: Callable[[list[bool]], None]) -> No
         trainable = [fp for fp in group.fsdp_params if fp.sharded_param.requires_grad]
         used = [_has_unsharded_grad(fp) for fp in trainable]
         if any(used):
-            for fp, has_grad in zip(trainable, used):
+            for fp, has_grad in zip(trainable, used, strict=True):
                 if not has_grad:
                     fp.unsharded_param.grad = torch.zeros_like(fp.unsharded_param)
             report(used)

@@ -40,10 +40,19 @@ class ParamEntry:
         return self.state.master is not None
 
     def fp32_rows(self) -> torch.Tensor:
-        """This rank's rows as fp32 on the host: a view of the master when trained, else a copy of the accelerator's."""
+        """This rank's rows as fp32 on the host: the master when trained (a view when the master lives on the host),
+        else a copy of the accelerator's value. `finish_restore` writes what was loaded into a copy back."""
         if self.state.master is not None:
-            return self.state.master
+            return _on_host(self.state.master)
         return self.state.param.to_local().detach().to("cpu", torch.float32, copy=True)
+
+    def moments(self) -> dict[str, torch.Tensor]:
+        """This rank's moments on the host: views, or copies of those placed on the accelerator."""
+        return {key: _on_host(rows) for key, rows in self.state.moments.items()}
+
+
+def _on_host(rows: torch.Tensor) -> torch.Tensor:
+    return rows if rows.device.type == "cpu" else rows.to("cpu", copy=True)
 
 
 def param_entries(module: nn.Module, engine: OffloadEngine) -> Iterator[tuple[list[str], ParamEntry]]:
@@ -80,7 +89,7 @@ def sharded_optimizer_state(
     state: dict[str, Any] = {}
     for _, entry in param_entries(module, engine):
         if entry.trained:
-            state[entry.name] = {key: _sharded(rows, entry.state.param, mesh) for key, rows in entry.state.moments.items()}
+            state[entry.name] = {key: _sharded(rows, entry.state.param, mesh) for key, rows in entry.moments().items()}
             state[entry.name]["step"] = torch.tensor(entry.state.step, dtype=torch.int64)
     return {"state": state, "param_groups": named_param_groups(module, optimizer)}
 
@@ -127,7 +136,7 @@ def full_optimizer_state(module: nn.Module, engine: OffloadEngine, optimizer: to
     for _, entry in param_entries(module, engine):
         if entry.trained:
             state[entry.name] = {key: _gathered_param(rows, entry.state.param, engine.world_size)
-                                 for key, rows in entry.state.moments.items()}
+                                 for key, rows in entry.moments().items()}
             state[entry.name]["step"] = torch.tensor(entry.state.step, dtype=torch.int64)
     return {"state": state, "param_groups": named_param_groups(module, optimizer)}
 
@@ -162,16 +171,25 @@ def fill_from_full(targets: dict[str, Any], full: dict[str, Any], world_size: in
 def finish_restore(module: nn.Module, engine: OffloadEngine, weights: dict[str, torch.Tensor],
                    optimizer: torch.optim.Optimizer | None, optimizer_state: dict[str, Any] | None) -> None:
     """After `weights` (from `sharded_model_state`) and the moments were loaded: restore step counts and param-group
-    settings, then make the model's parameters the restored values: the cast of the master where trained, the
-    loaded rows themselves elsewhere."""
+    settings, copy what was loaded into host copies of accelerator-placed state back, then make the model's
+    parameters the restored values: the cast of the master where trained, the loaded rows themselves elsewhere."""
     if optimizer is not None and optimizer_state is not None:
         _restore_steps(module, engine, optimizer_state["state"])
         _restore_param_groups(optimizer, optimizer_state["param_groups"])
-    engine.send_masters()
     for _, entry in param_entries(module, engine):
-        if not entry.trained:
-            loaded = weights[entry.name]
-            entry.state.param.to_local().copy_(loaded.to_local() if isinstance(loaded, DTensor) else loaded)
+        master = entry.state.master
+        if master is None:
+            entry.state.param.to_local().copy_(_local(weights[entry.name]))
+        elif master.device.type != "cpu":
+            master.copy_(_local(weights[entry.name]))
+            if optimizer_state is not None:
+                for key, rows in entry.state.moments.items():
+                    rows.copy_(_local(optimizer_state["state"][entry.name][key]))
+    engine.send_masters()
+
+
+def _local(loaded: torch.Tensor) -> torch.Tensor:
+    return loaded.to_local() if isinstance(loaded, DTensor) else loaded
 
 
 def _restore_steps(module: nn.Module, engine: OffloadEngine, state: dict[str, Any]) -> None:

@@ -149,7 +149,9 @@ def read(path: Path, weights_only: bool | None = None) -> dict[str, Any]:
     try:
         checkpoint = torch.load(file, map_location="cpu", mmap=not path.is_dir(), weights_only=weights_only)
     except Exception as err:
-        raise CheckpointError(f"{file}: cannot be read ({err}); the file is truncated or not a torch checkpoint") from err
+        raise CheckpointError(
+            f"{file}: cannot be read ({err}); the file is truncated or not a torch checkpoint"
+        ) from err
     if not isinstance(checkpoint, dict):
         raise CheckpointError(f"{file}: holds a {type(checkpoint).__name__}, not a Lightning checkpoint")
     return checkpoint
@@ -196,7 +198,9 @@ def check_complete(path: Path) -> None:
         if not file.exists():
             raise CheckpointError(f"{file}: missing; the checkpoint's index names it")
         if file.stat().st_size < size:
-            raise CheckpointError(f"{file}: truncated: {file.stat().st_size} bytes, the checkpoint's index needs {size}")
+            raise CheckpointError(
+                f"{file}: truncated: {file.stat().st_size} bytes, the checkpoint's index needs {size}"
+            )
 
 
 def load_sharded(path: Path, targets: dict[str, Any]) -> None:

@@ -3,31 +3,38 @@
 
 Host memory stays bounded by ``--buffer-mb``, whatever the model's size: the file is first written with every
 tensor's bytes left empty (``torch.serialization.skip_data``; the tensors behind it are never touched, so the OS
-never backs them with memory), then the tensors are read from the shards a batch at a time and written into
-their places in the file.
+never backs them with memory), then the file is mapped (``torch.load(mmap=True)``, shared) a batch at a time and
+the batch's tensors are read from the shards straight into their places in it.
 """
 
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
-import struct
 import sys
 import warnings
-import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
+from tqdm import tqdm
 
-from lightning_zoff.checkpoint_files import CheckpointError, check_complete, check_format, commit, partial_path, read, remove
+from lightning_zoff.checkpoint_files import (
+    CheckpointError,
+    check_complete,
+    check_format,
+    commit,
+    partial_path,
+    read,
+    remove,
+)
 
 # kept in the output next to the weights, so LightningModule.load_from_checkpoint works on it too
 _LIGHTNING_KEYS = ("pytorch-lightning_version", "hyper_parameters", "hparams_name")
-_LOCAL_HEADER = struct.Struct("<4s22sHH")  # zip local file header: signature ... name length, extra length
 
 
 def consolidate(ckpt_dir: str | Path, out_file: str | Path, buffer_mb: int = 256, progress: bool = True) -> None:
@@ -42,7 +49,7 @@ def consolidate(ckpt_dir: str | Path, out_file: str | Path, buffer_mb: int = 256
     shapes = {}
     for name in names:
         spec = specs.get(f"state_dict.{name}")
-        if spec is None or not hasattr(spec, "size"):
+        if not isinstance(spec, TensorStorageMetadata):
             raise CheckpointError(f"{src}: the index holds no tensor for {name!r}")
         shapes[name] = (spec.size, spec.properties.dtype)
     # never touched, so never resident: only their sizes and dtypes reach the skeleton file
@@ -52,18 +59,21 @@ def consolidate(ckpt_dir: str | Path, out_file: str | Path, buffer_mb: int = 256
     remove(partial)
     with torch.serialization.skip_data():
         torch.save(skeleton, partial)
-    offsets = dict(zip(names, _data_offsets(partial, [t.nbytes for t in skeleton["state_dict"].values()])))
-    bar = _Progress(sum(t.nbytes for t in skeleton["state_dict"].values()), progress)
-    with open(partial, "r+b") as f:
-        for batch in _batches(names, skeleton["state_dict"], buffer_mb << 20):
-            loaded = {name: torch.empty(shapes[name][0], dtype=shapes[name][1]) for name in batch}
-            with warnings.catch_warnings():  # its note that this process runs alone would cut into the bar
-                warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-                dcp.load({"state_dict": loaded}, storage_reader=reader, checkpoint_id=src)
-            for name, tensor in loaded.items():
-                _write_at(f.fileno(), tensor, offsets[name])
-                bar.update(tensor.nbytes)
-        os.fsync(f.fileno())
+    # on a terminal a bar redrawn in place; in a log (not a terminal) one update every 30 s, not many a second
+    bar = tqdm(total=sum(t.nbytes for t in skeleton["state_dict"].values()), desc="consolidate", unit="B",
+               unit_scale=True, unit_divisor=1024, disable=not progress, mininterval=0.1 if sys.stderr.isatty() else 30)
+    for batch in _batches(names, skeleton["state_dict"], buffer_mb << 20):
+        # the file mapped shared: DCP copies each tensor straight into its place in it. Mapped anew for each batch, so
+        # the pages written so far leave this process and its memory stays one batch.
+        with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
+            in_file = torch.load(partial, mmap=True, weights_only=False)["state_dict"]  # the file just written
+        with warnings.catch_warnings():  # its note that this process runs alone would cut into the bar
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load({"state_dict": {name: in_file[name] for name in batch}}, storage_reader=reader, checkpoint_id=src)
+        bar.update(sum(in_file[name].nbytes for name in batch))
+        del in_file
+    with open(partial, "rb") as f:
+        os.fsync(f.fileno())  # the mapped pages written, like any other
     bar.close()
     commit(partial, out)
 
@@ -76,29 +86,9 @@ def _has_tensor(obj: Any) -> bool:
     return isinstance(obj, (list, tuple)) and any(_has_tensor(v) for v in obj)
 
 
-def _data_offsets(path: Path, nbytes: list[int]) -> list[int]:
-    """Where the bytes of each tensor's storage start in a torch.save zip file, in the order the tensors were
-    pickled (torch names storage records data/0, data/1, ...)."""
-    with zipfile.ZipFile(path) as archive:
-        records = {info.filename.split("/data/", 1)[1]: info for info in archive.infolist() if "/data/" in info.filename}
-    if sorted(records) != sorted(map(str, range(len(nbytes)))):
-        raise RuntimeError(f"{path}: expected {len(nbytes)} storage records, found {sorted(records)}")
-    offsets = []
-    with open(path, "rb") as f:
-        for key, size in enumerate(nbytes):
-            info = records[str(key)]
-            if info.file_size != size or info.compress_type != zipfile.ZIP_STORED:
-                raise RuntimeError(f"{path}: record data/{key} holds {info.file_size} bytes, tensor {key} has {size}")
-            f.seek(info.header_offset)
-            signature, _, name_len, extra_len = _LOCAL_HEADER.unpack(f.read(_LOCAL_HEADER.size))
-            if signature != b"PK\x03\x04":
-                raise RuntimeError(f"{path}: no zip entry header at byte {info.header_offset}")
-            offsets.append(info.header_offset + _LOCAL_HEADER.size + name_len + extra_len)
-    return offsets
-
-
 def _batches(names: list[str], tensors: dict[str, torch.Tensor], budget: int) -> Iterator[list[str]]:
-    batch, size = [], 0
+    batch: list[str] = []
+    size = 0
     for name in names:
         if batch and size + tensors[name].nbytes > budget:
             yield batch
@@ -107,40 +97,6 @@ def _batches(names: list[str], tensors: dict[str, torch.Tensor], budget: int) ->
         size += tensors[name].nbytes
     if batch:
         yield batch
-
-
-def _write_at(fd: int, tensor: torch.Tensor, offset: int) -> None:
-    view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
-
-
-class _Progress:
-    """tqdm when installed, else one line rewritten in place."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.done, self.enabled, self.tqdm = total, 0, enabled, None
-        if enabled:
-            try:
-                from tqdm import tqdm
-
-                self.tqdm = tqdm(total=total, unit="B", unit_scale=True, desc="consolidate")
-            except ImportError:
-                pass
-
-    def update(self, n: int) -> None:
-        self.done += n
-        if self.tqdm is not None:
-            self.tqdm.update(n)
-        elif self.enabled:
-            print(f"\rconsolidate: {self.done / 2**20:,.0f} / {self.total / 2**20:,.0f} MiB", end="", file=sys.stderr)
-
-    def close(self) -> None:
-        if self.tqdm is not None:
-            self.tqdm.close()
-        elif self.enabled:
-            print(file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:

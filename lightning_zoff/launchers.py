@@ -15,15 +15,19 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
+import psutil
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 from lightning_zoff._compat import MultiProcessingLauncher, SubprocessScriptLauncher, WorkerOutput
-from lightning_zoff.offload.budget import _meminfo_bytes
 from lightning_zoff.sharding import param_names
+
+if TYPE_CHECKING:  # the strategy imports this module
+    from lightning_zoff.strategy import ZoffStrategy
 
 # Set on the main process's LightningModule after a fit whose trained weights stayed in the ranks: it still holds
 # the weights it had before that fit. Loading weights into it clears the mark.
@@ -58,6 +62,8 @@ class ZoffSubprocessScriptLauncher(SubprocessScriptLauncher):
 
 
 class ZoffMultiProcessingLauncher(MultiProcessingLauncher):
+    _strategy: ZoffStrategy  # the base class's, typed as the one strategy that uses this launcher
+
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         _check_supported(trainer)
         if trainer is not None:
@@ -111,13 +117,13 @@ class ZoffMultiProcessingLauncher(MultiProcessingLauncher):
         mb = 2**20
         used = ", ".join(f"rank {self._global_rank(i)} {peaks[p.pid] / mb:,.0f} MB" for i, p in enumerate(self.procs)
                          if peaks.get(p.pid))
-        total = _meminfo_bytes("MemTotal")
+        total = psutil.virtual_memory().total
         return (
             f"rank {self._global_rank(err.error_index)} (pid {err.error_pid}) was killed by SIGKILL: most likely the"
             " host ran out of memory and the kernel's out-of-memory killer stopped it (`dmesg | grep -i oom` shows it"
             " where permitted). Peak resident memory, read every 0.1 s while the ranks ran: "
             + (used or "not readable here (no /proc)")
-            + (f"; the machine has {total / mb:,.0f} MB in all, shared by every process on it" if total else "")
+            + f"; the machine has {total / mb:,.0f} MB in all, shared by every process on it"
             + ". To need less host memory: ZoffStrategy(overlap=False), optimizer_state_dtype='bf16', fewer ranks per"
             " node or more nodes (README: 'What fits')."
         )
@@ -213,7 +219,7 @@ class _PeakRss(threading.Thread):
         self.start()
 
     def run(self) -> None:
-        while any([self._read(pid) for pid in self.peaks]):  # a list: read every process, not up to the first
+        while any([self._read(pid) for pid in self.peaks]):  # noqa: C419  a list: read every process, not up to the first
             time.sleep(0.1)
 
     def _read(self, pid: int) -> bool:

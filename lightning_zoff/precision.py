@@ -8,13 +8,14 @@ records the clipping request that the engine applies with the global gradient no
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, cast
 
 import torch
+from lightning.fabric.connector import _PRECISION_INPUT_STR
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
-from lightning.fabric.utilities.apply_func import apply_to_collection
 
 from lightning_zoff.loss_scale import DynamicLossScaler
 
@@ -32,7 +33,7 @@ class ZoffPrecision(Precision):
             2**16), ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``hysteresis``, ``min_scale``).
     """
 
-    def __init__(self, precision: str | int = "bf16-mixed", **loss_scale: float) -> None:
+    def __init__(self, precision: str | int = "bf16-mixed", **loss_scale: Any) -> None:
         precision = _ALIASES.get(precision, precision)
         if precision not in SUPPORTED_PRECISION:
             raise ValueError(
@@ -41,7 +42,7 @@ class ZoffPrecision(Precision):
             )
         if loss_scale and not precision.startswith("16"):
             raise ValueError(f"loss-scale options {sorted(loss_scale)} apply to fp16 only, not {precision!r}.")
-        self.precision = precision
+        self.precision = cast(_PRECISION_INPUT_STR, precision)  # one of SUPPORTED_PRECISION, checked above
         self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
         self.clip_norm_request: float | None = None
         self.scaler = DynamicLossScaler(**loss_scale) if precision.startswith("16") else None

@@ -68,7 +68,7 @@ def _read_file(path: Path) -> dict[str, torch.Tensor | OnDisk]:
             raise ImportError(f"{path}: reading safetensors files needs the safetensors package"
                               " (pip install safetensors).") from err
         file = safe_open(str(path), framework="pt", device="cpu")
-        return {name: OnDisk(file, name) for name in file.keys()}
+        return {name: OnDisk(file, name) for name in file.keys()}  # noqa: SIM118  (safetensors' handle has no __iter__)
     state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     return state.get("state_dict", state)
 

@@ -5,18 +5,20 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import cast
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 
 from lightning_zoff._compat import hf_init_weights
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     """The default policy: children of every `nn.ModuleList` whose children repeat one class (transformer blocks)."""
-    blocks = []
+    blocks: list[nn.Module] = []
     for module in model.modules():
         if isinstance(module, nn.ModuleList) and len(module) > 1 and len({type(m) for m in module}) == 1:
             blocks.extend(module)
@@ -125,8 +127,9 @@ def shard_model(
     materialize(model, init_fn)  # buffers of top-level children that hold no parameters
     sharded = dict(model.named_parameters())
     for name, master in masters.items():
-        if sharded[name].to_local().shape != master.shape:
-            raise RuntimeError(f"zoff: shard of {name} is {tuple(sharded[name].to_local().shape)}, expected"
+        local = cast(DTensor, sharded[name]).to_local()
+        if local.shape != master.shape:
+            raise RuntimeError(f"zoff: shard of {name} is {tuple(local.shape)}, expected"
                                f" {tuple(master.shape)}; FSDP2 sharded it differently than dim-0 chunks.")
     return {id(sharded[name]): master for name, master in masters.items()}
 
@@ -214,7 +217,10 @@ def materialize(root: nn.Module, init_fn: ParamInitFn) -> None:
                 if real.is_floating_point():
                     real.fill_(float("nan"))
                 replaced[id(tensor)] = nn.Parameter(real, tensor.requires_grad) if kind == "param" else real
-            (module._parameters if kind == "param" else module._buffers)[name] = replaced[id(tensor)]
+            if kind == "param":
+                module._parameters[name] = cast(nn.Parameter, replaced[id(tensor)])
+            else:
+                module._buffers[name] = replaced[id(tensor)]
     with torch.no_grad():
         for module in modules:
             init_fn(module)

@@ -27,11 +27,11 @@ class StepTimer:
     @contextmanager
     def measure(self, phase: str) -> Iterator[None]:
         if self.device.type != "cuda":
-            start = time.perf_counter()
+            started = time.perf_counter()
             try:
                 yield
             finally:
-                self._window[phase].append(time.perf_counter() - start)
+                self._window[phase].append(time.perf_counter() - started)
             return
         start = torch.cuda.Event(enable_timing=True)
         start.record(torch.cuda.current_stream(self.device))

@@ -2,7 +2,8 @@
 
     python scripts/bench.py                          # GPT 1.34B (d=2048, 24 layers, seq 1024, batch 8) on 1 GPU
     python scripts/bench.py --model small --runs zoff gpu_only --accumulate 1
-    python scripts/bench.py --model qwen3_4b --runs zoff deepspeed_zero3_offload --accumulate 1 --zoff-option overlap=False
+    python scripts/bench.py --model qwen3_4b --runs zoff deepspeed_zero3_offload --accumulate 1 \
+        --zoff-option overlap=False
     python scripts/bench.py --model qwen3_tiny --runs zoff --accumulate 1 --steps 2 --warmup 1   # CPU smoke test
 
 zoff runs build the model on the meta device (`trainer.init_module(empty_init=True)`: each rank initialises only its
@@ -252,7 +253,9 @@ def main() -> None:
         return
     import torch
 
-    machine = f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'} x{torch.cuda.device_count()}, {platform.processor() or platform.machine()}, host {socket.gethostname()}"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    machine = (f"{device} x{torch.cuda.device_count()}, {platform.processor() or platform.machine()},"
+               f" host {socket.gethostname()}")
     out = args.out or Path("bench/results") / f"{datetime.date.today()}_{socket.gethostname()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     runs = []

@@ -77,7 +77,8 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(args.dir or tempfile.mkdtemp(prefix="zoff_bench_consolidate_"))
     if args.build:
-        return build(work, args.width, args.blocks, args.ranks)
+        build(work, args.width, args.blocks, args.ranks)
+        return
     ckpt = work / "ck" / "step1.ckpt"
     if not ckpt.exists():
         subprocess.run([sys.executable, __file__, "--build", "--dir", str(work), "--width", str(args.width),
@@ -86,8 +87,8 @@ def main() -> None:
     call = f"main([{str(ckpt)!r}, {str(out)!r}, '--buffer-mb', '{args.buffer_mb}', '--no-progress'])"
     consolidate_kb = peak_kb(f"from lightning_zoff.consolidate import main; {call}")
     import_kb = peak_kb("import lightning_zoff.consolidate")
-    inspect = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r});"
-                              f" from bench_consolidate import model_bytes; print(model_bytes({str(out)!r}))"],
+    inspect = subprocess.run([sys.executable, "-c", (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r});"
+                              f" from bench_consolidate import model_bytes; print(model_bytes({str(out)!r}))")],
                              check=True, capture_output=True, text=True)
     size, count = map(int, inspect.stdout.split())
     peak, base = consolidate_kb * 1024, import_kb * 1024

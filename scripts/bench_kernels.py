@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_zoff import ops  # noqa: E402
+from lightning_zoff import ops
 
 FUSED_BYTES = 28  # p, m, v: 12 read + 12 written; bf16 grad 2 read; bf16 copy 2 written
 BF16_MOMENTS_BYTES = 20  # p 4, m and v 2 + 2: 8 read + 8 written; grad and copy as above
@@ -119,7 +119,8 @@ def main() -> None:
         print(f"{name:<48} {r['ns_per_param']:>9.3f} {r['effective_gb_s']:>7.1f} {r['speedup_vs_torch']:>6.2f}x"
               f" {r['fraction_of_floor']:>8.0%}")
     print(f"{'DRAM floor (28 B/param at ' + f'{best_bw:.0f} GB/s)':<48} {floor_s / n * 1e9:>9.3f}")
-    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, host {socket.gethostname()}"
+    machine = (f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads,"
+               f" host {socket.gethostname()}")
     out_path = args.out or Path("bench/results") / f"{datetime.date.today()}_{socket.gethostname()}_kernels.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps({"machine": machine, "params": n, "threads": threads, "isa": isa,

@@ -44,7 +44,8 @@ def rss_gb() -> float:
 
 class _MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in
-                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+                ["arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost"]]
 
 
 def heap_gb() -> float | None:
@@ -123,7 +124,7 @@ def table(runs: list[dict]) -> str:
             times = [f"{seconds[p][0]:.1f} ({seconds[p][1]:.1f})" for p in PHASES]
             rows.append([r["name"], str(rank["rank"]), *rss, "-" if heap is None else f"{heap:.2f}", *times])
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows)
+    return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in rows)
 
 
 def main() -> None:
@@ -141,8 +142,8 @@ def main() -> None:
 
     runs = [run(name, args.n_layer) for name in args.runs]
     cores = len(os.sched_getaffinity(0))
-    machine = f"{socket.gethostname()}: {cores} CPU cores ({platform.processor() or platform.machine()}), " \
-              f"{os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GB, torch {torch.__version__}"
+    machine = (f"{socket.gethostname()}: {cores} CPU cores ({platform.processor() or platform.machine()}), "
+               f"{os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GB, torch {torch.__version__}")
     results = ROOT / "bench" / "results"
     results.mkdir(parents=True, exist_ok=True)
     name = f"{datetime.date.today()}_cpu{cores}_sample" + (f"_{args.label}" if args.label else "") + ".json"

@@ -4,10 +4,10 @@
         --option overlap=False --out capacity.json
     python scripts/check_capacity.py --model gpt7b --train-last 2 --steps 10   # fine-tune the last 2 blocks only
 
-One process per device (`--devices`, ranks of one node; the CPU with gloo where there is no accelerator). The model is built under `trainer.init_module(empty_init=True)`, so no
-process ever holds it whole; zoff materialises one unit at a time. Prints per-step loss and time, then peak GPU
-memory, peak host RSS (rank 0's process; the node holds about `--devices` times that) and zoff's host bytes per
-parameter, and writes them to `--out`. Exits non-zero unless the
+One process per device (`--devices`, ranks of one node; the CPU with gloo where there is no accelerator). The model
+is built under `trainer.init_module(empty_init=True)`, so no process ever holds it whole; zoff materialises one unit
+at a time. Prints per-step loss and time, then peak GPU memory, peak host RSS (rank 0's process; the node holds about
+`--devices` times that) and zoff's host bytes per parameter, and writes them to `--out`. Exits non-zero unless the
 loss fell (the mean of the last quarter of the steps below the mean of the first quarter).
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import MODELS as ALL_MODELS, parse_options  # noqa: E402  (this directory is on sys.path)
+from bench import MODELS as ALL_MODELS, parse_options  # (this directory is on sys.path)
 
 MODELS = {name: shape for name, shape in ALL_MODELS.items() if "hf" not in shape}  # the example GPT's shapes
 
@@ -78,7 +78,8 @@ def main() -> None:
         first_trained = cfg["n_layer"] - args.train_last
         for name, p in module.named_parameters():
             block = name.split(".")[2] if name.startswith("model.blocks.") else None
-            p.requires_grad_(name.startswith(("model.ln_f.", "model.lm_head.")) or (block is not None and int(block) >= first_trained))
+            in_trained_block = block is not None and int(block) >= first_trained
+            p.requires_grad_(name.startswith(("model.ln_f.", "model.lm_head.")) or in_trained_block)
     params = sum(p.numel() for p in module.parameters())
     trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
     if trainer.global_rank == 0:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from in_subprocess import call  # noqa: E402  (this directory is on sys.path)
+from in_subprocess import call  # (this directory is on sys.path)
 
 MODEL = dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256, lr=3e-3, weight_decay=0.1)
 BAD_STEP = 5

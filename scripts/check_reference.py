@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from in_subprocess import call  # noqa: E402  (this directory is on sys.path)
+from in_subprocess import call  # (this directory is on sys.path)
 
 MODEL = dict(vocab_size=256, block_size=256, n_layer=6, n_head=8, n_embd=384, lr=1e-3, weight_decay=0.1)
 
@@ -65,7 +65,7 @@ def compare(steps: int) -> dict:
     """Both sides' losses, their largest relative difference, the timings and zoff's memory."""
     sides = {side: call(run_side, side=side, steps=steps)[0] for side in ("reference", "zoff")}
     ref, zoff = sides["reference"]["losses"], sides["zoff"]["losses"]
-    rel = [abs(z - r) / r for r, z in zip(ref, zoff)]
+    rel = [abs(z - r) / r for r, z in zip(ref, zoff, strict=True)]
     return {
         "max_rel_diff": max(rel), "mean_rel_diff_last10": sum(rel[-10:]) / len(rel[-10:]),
         "reference_seconds": sides["reference"]["seconds"], "zoff_seconds": sides["zoff"]["seconds"],
@@ -84,7 +84,7 @@ def main() -> None:
     ref, zoff, rel = summary["reference"], summary["zoff"], summary["rel_diff"]
     zoff_column = f"zoff bf16-mixed ({summary['device']})"
     print(f"{'step':>5} {'reference fp32 (cpu)':>22} {zoff_column:>26} {'rel diff':>9}")
-    for i, (r, z, d) in enumerate(zip(ref, zoff, rel)):
+    for i, (r, z, d) in enumerate(zip(ref, zoff, rel, strict=True)):
         if i % max(1, len(ref) // 20) == 0 or i == len(ref) - 1:
             print(f"{i:>5} {r:>22.4f} {z:>26.4f} {d:>9.4f}")
     print(json.dumps({k: v for k, v in summary.items() if k not in ("reference", "zoff", "rel_diff")}, indent=1))

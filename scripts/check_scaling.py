@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from in_subprocess import call  # noqa: E402  (this directory is on sys.path)
+from in_subprocess import call  # (this directory is on sys.path)
 
 MODEL = dict(vocab_size=256, block_size=256, n_layer=6, n_head=8, n_embd=512, lr=1e-3, weight_decay=0.1)
 GLOBAL_BATCH = 16
@@ -55,7 +55,7 @@ def compare(devices: int, steps: int, precision: str = "bf16-mixed") -> dict:
     many = call(run_side, devices=devices, steps=steps, precision=precision)
     one, = call(run_side, devices=1, steps=steps, precision=precision)
     mean = [sum(r["losses"][i] for r in many) / len(many) for i in range(len(one["losses"]))]
-    rel = [abs(m - o) / o for m, o in zip(mean, one["losses"])]
+    rel = [abs(m - o) / o for m, o in zip(mean, one["losses"], strict=True)]
     return {"devices": devices, "max_rel_diff": max(rel), "mean_losses": mean, "one_device_losses": one["losses"],
             "rel_diff": rel, "ranks": many, "one_device": one}
 
@@ -69,7 +69,8 @@ def main() -> None:
     args = parser.parse_args()
     summary = compare(args.devices, args.steps, args.precision)
     print(f"{'step':>5} {args.devices:>3} devices (mean) {'1 device':>10} {'rel diff':>9}")
-    for i, (m, o, d) in enumerate(zip(summary["mean_losses"], summary["one_device_losses"], summary["rel_diff"])):
+    columns = (summary["mean_losses"], summary["one_device_losses"], summary["rel_diff"])
+    for i, (m, o, d) in enumerate(zip(*columns, strict=True)):
         print(f"{i:>5} {m:>19.4f} {o:>10.4f} {d:>9.4f}")
     for r, rank in enumerate(summary["ranks"]):
         print(f"rank {r} ({rank['device']}): {rank['layout']}; master {rank['memory']['host_master'] / 2**20:.1f} MiB,"

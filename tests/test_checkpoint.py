@@ -58,7 +58,8 @@ def test_resume_on_two_ranks_is_bit_exact(request, tmp_path, moments):
     out, full = request.getfixturevalue(RUN_OF[moments])
     resumed = resume_fit(tmp_path, ckpt_path=out / "ck" / STEP6, optimizer_state_dtype=moments)
     for rank in (0, 1):
-        assert len(full[rank]["losses"]) == 12 and len(resumed[rank]["losses"]) == 6
+        assert len(full[rank]["losses"]) == 12
+        assert len(resumed[rank]["losses"]) == 6
         assert resumed[rank]["losses"] == full[rank]["losses"][6:]
         assert resumed[rank]["lr"] == full[rank]["lr"]  # StepLR's position and the groups' lr came back
 
@@ -77,7 +78,7 @@ class MomentsAtStart(pl.Callback):
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp_to_torch_save reads in this process
-@pytest.mark.parametrize("saved, loaded", [("fp32", "bf16"), ("bf16", "fp32")])
+@pytest.mark.parametrize(("saved", "loaded"), [("fp32", "bf16"), ("bf16", "fp32")])
 def test_moments_load_into_a_run_of_the_other_dtype(request, tmp_path, saved, loaded):
     out, full = request.getfixturevalue(RUN_OF[saved])
     ckpt = out / "ck" / STEP6
@@ -167,7 +168,7 @@ torch.save(torch.load(sys.argv[1], weights_only=True)["state_dict"], sys.argv[2]
 
 
 def test_full_file_loads_without_zoff_and_resumes(run, consolidated, tmp_path):
-    out, full = run
+    _, full = run
     resume_fit(tmp_path / "run", max_steps=6, state_dict_type="full",
                callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=6)])
     file = tmp_path / "ck" / STEP6
@@ -229,12 +230,14 @@ def other_version(ckpt: Path) -> Path:
     return ckpt / "meta.pt"
 
 
-@pytest.mark.parametrize("damage, module, problem", [
-    (lambda c: truncate(c / "__1_0.distcp"), TinyModule, r"__1_0\.distcp: truncated: \d+ bytes, the checkpoint's index needs \d+"),
+@pytest.mark.parametrize(("damage", "module", "problem"), [
+    (lambda c: truncate(c / "__1_0.distcp"), TinyModule,
+     r"__1_0\.distcp: truncated: \d+ bytes, the checkpoint's index needs \d+"),
     (lambda c: truncate(c / "meta.pt"), TinyModule, r"meta\.pt: cannot be read .*truncated"),
     (lambda c: (c / "meta.pt").unlink() or c, TinyModule, r"ckpt: no meta\.pt, which a zoff checkpoint writes last"),
     (other_version, TinyModule, r"meta\.pt: checkpoint format version 99; this lightning_zoff reads version 1"),
-    (lambda c: c, TwoBlocks, r"meta\.pt: written for another model: missing \[\], unexpected \['model\.blocks\.2\.fc1\.bias'"),
+    (lambda c: c, TwoBlocks,
+     r"meta\.pt: written for another model: missing \[\], unexpected \['model\.blocks\.2\.fc1\.bias'"),
 ], ids=["truncated_shard", "truncated_meta", "unfinished", "other_version", "other_model"])
 def test_damaged_or_foreign_checkpoints_are_refused(run, tmp_path, damage, module, problem):
     ckpt = tmp_path / "copy.ckpt"
@@ -244,7 +247,8 @@ def test_damaged_or_foreign_checkpoints_are_refused(run, tmp_path, damage, modul
         resume_fit(tmp_path / "run", devices=1, batch_size=8, module=module(), ckpt_path=ckpt)
     message = str(err.value)
     assert isinstance(err.value, CheckpointError) or "CheckpointError" in message
-    assert str(named) in message and re.search(problem, message)  # names the file and what is wrong with it
+    assert str(named) in message
+    assert re.search(problem, message)  # names the file and what is wrong with it
 
 def test_consolidate_refuses_a_truncated_checkpoint(run, tmp_path):
     ckpt = tmp_path / "copy.ckpt"
@@ -259,10 +263,12 @@ def test_a_replacement_cut_between_its_renames_is_recovered(tmp_path):
     path = tmp_path / "last.ckpt"
     (tmp_path / ".last.ckpt.zoff-previous").mkdir()  # the old checkpoint, moved aside; the new one never arrived
     recover(path)
-    assert path.is_dir() and not (tmp_path / ".last.ckpt.zoff-previous").exists()
+    assert path.is_dir()
+    assert not (tmp_path / ".last.ckpt.zoff-previous").exists()
     (tmp_path / ".last.ckpt.zoff-previous").mkdir()  # both there: the new one arrived, drop the old
     recover(path)
-    assert path.is_dir() and not (tmp_path / ".last.ckpt.zoff-previous").exists()
+    assert path.is_dir()
+    assert not (tmp_path / ".last.ckpt.zoff-previous").exists()
 
 
 def _two_nodes(out: Path, *ckpt: Path) -> dict:
@@ -289,7 +295,8 @@ def test_two_nodes_train_and_resume_like_one_node(run, tmp_path):
     _, full = run
     nodes = _two_nodes(tmp_path / "nodes")
     for rank in (0, 1):
-        assert nodes[rank]["world_size"] == 2 and nodes[rank]["losses"] == full[rank]["losses"]
+        assert nodes[rank]["world_size"] == 2
+        assert nodes[rank]["losses"] == full[rank]["losses"]
     resumed = _two_nodes(tmp_path / "resumed", tmp_path / "nodes" / "ck" / STEP6)
     for rank in (0, 1):
         assert resumed[rank]["losses"] == full[rank]["losses"][6:]

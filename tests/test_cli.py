@@ -33,10 +33,12 @@ def test_fit_from_yaml_with_the_strategy_name(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
     # both ranks set up the offload engine; the first rank of the node reports for both, once
-    assert out.count("zoff ranks 0-1:") == 1 and "zoff rank 1" not in out
+    assert out.count("zoff ranks 0-1:") == 1
+    assert "zoff rank 1" not in out
     assert "`Trainer.fit` stopped: `max_steps=3` reached." in out
     config = yaml.safe_load((tmp_path / "lightning_logs" / "version_0" / "config.yaml").read_text())
-    assert config["trainer"]["strategy"] == "zoff" and config["trainer"]["max_steps"] == 3
+    assert config["trainer"]["strategy"] == "zoff"
+    assert config["trainer"]["max_steps"] == 3
 
 
 def test_class_path_variant_sets_the_options():
@@ -45,10 +47,13 @@ def test_class_path_variant_sets_the_options():
     strategy = cli.trainer.strategy
     assert isinstance(strategy, ZoffStrategy)
     assert (strategy.offload, strategy.start_method, strategy.grad_accum_on) == (True, "fork", "accelerator")
-    assert cli.trainer.max_steps == 200 and cli.trainer.num_devices == 2  # the rest of gpt_tiny.yaml still holds
-    assert isinstance(cli.model, GPTModule) and isinstance(cli.datamodule, CorpusDataModule)
+    assert cli.trainer.max_steps == 200
+    assert cli.trainer.num_devices == 2  # the rest of gpt_tiny.yaml still holds
+    assert isinstance(cli.model, GPTModule)
+    assert isinstance(cli.datamodule, CorpusDataModule)
     optimizer = cli.model.configure_optimizers()
-    assert type(optimizer).__name__ == "AdamW" and optimizer.defaults["lr"] == 1e-3
+    assert type(optimizer).__name__ == "AdamW"
+    assert optimizer.defaults["lr"] == 1e-3
 
 
 def test_hugging_face_model_from_yaml_trains(tmp_path):
@@ -59,9 +64,11 @@ def test_hugging_face_model_from_yaml_trains(tmp_path):
                 "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
                 f"--trainer.default_root_dir={tmp_path}", "--data.init_args.max_bytes=100000"])
     module = cli.model
-    assert isinstance(module, HFCausalLM) and type(module.model).__name__ == "Qwen3ForCausalLM"
+    assert isinstance(module, HFCausalLM)
+    assert type(module.model).__name__ == "Qwen3ForCausalLM"
     assert (module.hparams.model, module.block_size, cli.datamodule.block_size) == ("qwen3_tiny", 128, 128)
-    assert cli.trainer.state.finished and torch.isfinite(cli.trainer.callback_metrics["train_loss"])
+    assert cli.trainer.state.finished
+    assert torch.isfinite(cli.trainer.callback_metrics["train_loss"])
     # the main process's model got the trained weights back: not the init's any more (same seed, built again)
     seed_everything(1234)
     assert not torch.equal(module.model.lm_head.weight, HFCausalLM("qwen3_tiny").model.lm_head.weight)

@@ -22,4 +22,5 @@ def test_strategy_from_class_path():
 def test_registered_name_from_the_cli():
     cli = LightningCLI(TinyModule, run=False, args=["--trainer.accelerator=cpu", "--trainer.strategy=zoff_no_offload",
                                                     "--trainer.logger=false"])
-    assert isinstance(cli.trainer.strategy, ZoffStrategy) and not cli.trainer.strategy.offload
+    assert isinstance(cli.trainer.strategy, ZoffStrategy)
+    assert not cli.trainer.strategy.offload

@@ -53,10 +53,12 @@ def run_in_one_rank(check) -> None:
 
 def _check_params_and_group(net) -> None:
     group = _compat.fsdp_param_group(net)
-    assert group is not None and len(group.fsdp_params) == 6
+    assert group is not None
+    assert len(group.fsdp_params) == 6
     params = _compat.unit_params(net)
     assert [p.shape for p in params] == [p.shape for p in net.parameters()]
-    assert all(a is b for a, b in zip(params, net.parameters()))  # the sharded parameters themselves, in order
+    # the sharded parameters themselves, in order
+    assert all(a is b for a, b in zip(params, net.parameters(), strict=True))
 
 
 def test_unit_params_are_the_sharded_parameters_in_fsdp_order():
@@ -73,11 +75,13 @@ def _check_before_reduce(net) -> None:
     assert reports == [[True, True, False, False]], reports
     # ... and was reduced as zeros, so every rank reduces the same tensors
     assert torch.equal(net.b.weight.grad.to_local(), torch.zeros(4, 4))
-    assert net.a.weight.grad is not None and net.frozen.weight.grad is None
+    assert net.a.weight.grad is not None
+    assert net.frozen.weight.grad is None
     _compat.restore_post_backward(net)
     net.zero_grad(set_to_none=True)
     net(x, use_b=False).sum().backward()
-    assert len(reports) == 1 and net.b.weight.grad is None  # FSDP2's own behaviour again: no report, no zeros
+    assert len(reports) == 1
+    assert net.b.weight.grad is None  # FSDP2's own behaviour again: no report, no zeros
 
 
 def test_before_reduce_reports_unused_parameters_and_reduces_zeros_for_them():
@@ -87,7 +91,8 @@ def test_before_reduce_reports_unused_parameters_and_reduces_zeros_for_them():
 def _check_streams(net) -> None:
     net(torch.randn(2, 4), use_b=True)
     streams = _compat.all_gather_streams(net)
-    assert streams is not None and len(streams) == 2
+    assert streams is not None
+    assert len(streams) == 2
 
 
 def test_all_gather_streams_are_found():
@@ -116,7 +121,8 @@ def test_lightning_privates_zoff_builds_on():
     assert callable(_compat.SubprocessScriptLauncher.launch)
     assert _compat.WorkerOutput._fields[:2] == ("best_model_path", "weights_path")
     params = list(inspect.signature(_compat.init_dist_connection).parameters)
-    assert params[:2] == ["cluster_environment", "torch_distributed_backend"] and params[-1] == "kwargs"  # timeout=
+    assert params[:2] == ["cluster_environment", "torch_distributed_backend"]
+    assert params[-1] == "kwargs"  # timeout=
     assert "reduce_op" in inspect.signature(_compat.sync_ddp_if_available).parameters
     assert _compat.distributed_is_initialized() is False  # this process holds no process group
 

@@ -34,7 +34,7 @@ def compose_train(*overrides: str):
         return compose("train", overrides=list(overrides))
 
 
-@pytest.mark.parametrize("group,name", OPTIONS, ids=[f"{g}={n}" for g, n in OPTIONS])
+@pytest.mark.parametrize(("group", "name"), OPTIONS, ids=[f"{g}={n}" for g, n in OPTIONS])
 def test_every_option_composes(group, name):
     cfg = compose_train(f"{group}={name}")
     OmegaConf.resolve(cfg)  # every interpolation (data.block_size -> model.block_size, ...) has a target
@@ -46,14 +46,16 @@ def test_trainer_options():
     assert (cpu.accelerator, cpu.devices, gpu.accelerator, gpu.precision) == ("cpu", 2, "gpu", "bf16-mixed")
     assert cpu.max_steps == gpu.max_steps == 200  # both from trainer/default.yaml
     trainer = pl.Trainer(**OmegaConf.to_container(cpu), strategy="zoff", logger=False)
-    assert trainer.max_steps == 200 and trainer.num_devices == 2
+    assert trainer.max_steps == 200
+    assert trainer.num_devices == 2
 
 
-@pytest.mark.parametrize("name,offload", [("zoff", True), ("zoff_no_offload", False)])
+@pytest.mark.parametrize(("name", "offload"), [("zoff", True), ("zoff_no_offload", False)])
 def test_zoff_strategies_build_with_every_option(name, offload):
     cfg = compose_train(f"strategy={name}")
     strategy = instantiate(cfg.strategy)
-    assert isinstance(strategy, ZoffStrategy) and strategy.offload is offload
+    assert isinstance(strategy, ZoffStrategy)
+    assert strategy.offload is offload
     # the yaml lists every keyword option of ZoffStrategy, so `--cfg job` shows them all
     keyword_options = set(ZoffStrategy.__init__.__kwdefaults__) - {"timeout"}
     assert set(cfg.strategy) - {"_target_"} == keyword_options
@@ -61,7 +63,8 @@ def test_zoff_strategies_build_with_every_option(name, offload):
 
 
 def test_wrap_policy_takes_classes_from_the_command_line():
-    cfg = compose_train("strategy.wrap_policy=[{_target_:hydra.utils.get_class,path:lightning_zoff.examples.gpt.Block}]")
+    block = "{_target_:hydra.utils.get_class,path:lightning_zoff.examples.gpt.Block}"
+    cfg = compose_train(f"strategy.wrap_policy=[{block}]")
     assert instantiate(cfg.strategy).wrap_policy == {Block}
 
 
@@ -72,7 +75,7 @@ def test_ddp_and_deepspeed_strategies():
     if RequirementCache("deepspeed"):  # the GPU machine with the carried wheels: the config builds the strategy
         assert isinstance(instantiate(cfg), DeepSpeedStrategy)
         return
-    with pytest.raises(InstantiationException, match="DeepSpeedStrategy.*must have DeepSpeed installed"):
+    with pytest.raises(InstantiationException, match=r"DeepSpeedStrategy.*must have DeepSpeed installed"):
         instantiate(cfg)
 
 
@@ -87,11 +90,14 @@ def test_every_model_option_is_tested():
 
 def test_the_tiny_models_build_and_the_large_models_have_their_sizes():
     tiny = instantiate(compose_train().model)
-    assert isinstance(tiny, GPTModule) and 0.8e6 < tiny.model.num_params() < 1e6
+    assert isinstance(tiny, GPTModule)
+    assert 0.8e6 < tiny.model.num_params() < 1e6
     for name, preset, size in [("hf_llama_tiny", "llama_tiny", 106_816), ("hf_qwen3_tiny", "qwen3_tiny", 90_496)]:
         module = instantiate(compose_train(f"model={name}").model)
-        assert isinstance(module, HFCausalLM) and module.hparams.model == preset, name
-        assert sum(p.numel() for p in module.parameters()) == size and module.block_size == 128, name
+        assert isinstance(module, HFCausalLM), name
+        assert module.hparams.model == preset, name
+        assert sum(p.numel() for p in module.parameters()) == size, name
+        assert module.block_size == 128, name
         assert type(module.hparams.config) is dict  # _convert_: plain values in checkpoints
     for name, low, high in MODEL_SIZES:
         with torch.device("meta"):  # shapes only: nothing is allocated
@@ -114,23 +120,25 @@ def test_the_largest_models_are_built_on_the_meta_device(train_script):
     assert not compose_train("model=gpt_7b", "empty_init=false").empty_init  # the command line still wins
     train_script.check_empty_init(ZoffStrategy(), True)
     train_script.check_empty_init(DDPStrategy(), False)
-    with pytest.raises(ValueError, match="empty_init=true needs strategy=zoff or zoff_no_offload: DDPStrategy would"
+    with pytest.raises(ValueError, match=r"empty_init=true needs strategy=zoff or zoff_no_offload: DDPStrategy would"
                                          " train uninitialised weights. Add empty_init=false."):
         train_script.check_empty_init(DDPStrategy(), True)
 
 
 def test_data_follows_the_model():
     corpus = instantiate(compose_train("model=gpt_1b").data)
-    assert isinstance(corpus, CorpusDataModule) and corpus.block_size == 1024
+    assert isinstance(corpus, CorpusDataModule)
+    assert corpus.block_size == 1024
     synthetic = instantiate(compose_train("data=synthetic", "model=gpt_125m").data)
-    assert isinstance(synthetic, SyntheticDataModule) and (synthetic.vocab_size, synthetic.block_size) == (50304, 1024)
+    assert isinstance(synthetic, SyntheticDataModule)
+    assert (synthetic.vocab_size, synthetic.block_size) == (50304, 1024)
     assert instantiate(compose_train("model=hf_qwen3_tiny").data).block_size == 128
     synthetic = instantiate(compose_train("data=synthetic", "model=hf_qwen3_4b").data)
     assert (synthetic.vocab_size, synthetic.block_size) == (151936, 512)
 
 
 @pytest.mark.parametrize("model", ["gpt_tiny", "hf_qwen3_tiny"])
-@pytest.mark.parametrize("name,kind", [("adamw", torch.optim.AdamW), ("lion", lightning_zoff.optim.Lion),
+@pytest.mark.parametrize(("name", "kind"), [("adamw", torch.optim.AdamW), ("lion", lightning_zoff.optim.Lion),
                                        ("sgd", torch.optim.SGD)])
 def test_optimizers_are_factories_of_the_model(name, kind, model):
     cfg = compose_train(f"optimizer={name}", "optimizer.lr=0.02", f"model={model}")
@@ -139,13 +147,15 @@ def test_optimizers_are_factories_of_the_model(name, kind, model):
     assert type(optimizer) is kind
     decay, no_decay = optimizer.param_groups
     assert decay["lr"] == no_decay["lr"] == 0.02
-    assert decay["weight_decay"] == cfg.optimizer.weight_decay and no_decay["weight_decay"] == 0.0
+    assert decay["weight_decay"] == cfg.optimizer.weight_decay
+    assert no_decay["weight_decay"] == 0.0
     assert all(type(b) is float for b in decay.get("betas", ()))  # plain values, not OmegaConf nodes
 
 
 def test_bench_experiment():
     cfg = compose_train("experiment=bench")
-    assert cfg.model.n_embd == 2048 and cfg.data._target_.endswith("SyntheticDataModule")
+    assert cfg.model.n_embd == 2048
+    assert cfg.data._target_.endswith("SyntheticDataModule")
     assert (cfg.trainer.accelerator, cfg.trainer.precision, cfg.data.batch_size) == ("gpu", "bf16-mixed", 8)
     assert (cfg.optimizer.lr, cfg.trainer.gradient_clip_val, cfg.save_checkpoint) == (1e-4, 1.0, False)
 
@@ -182,7 +192,7 @@ def test_unknown_option_lists_the_options():
         compose_train("strategy=zof")
 
 
-@pytest.mark.parametrize("override,message", [
+@pytest.mark.parametrize(("override", "message"), [
     ("strategy.offload=maybe", r"ZoffStrategy\(offload='maybe'\): expected true or false"),
     ("strategy.pin_memory=1", r"ZoffStrategy\(pin_memory=1\): expected true or false"),
     ("strategy.cpu_threads=two", r"ZoffStrategy\(cpu_threads='two'\): expected a positive integer, or None"),

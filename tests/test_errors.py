@@ -51,11 +51,13 @@ def fails(error: type[Exception], match: str):
     and message; a rank's traceback is its cause), so the message is the whole text it reads."""
     with pytest.raises(error, match=match) as info:
         yield
-    assert type(info.value) is error and "Traceback" not in str(info.value)
+    assert type(info.value) is error
+    assert "Traceback" not in str(info.value)
 
 
 def test_unsupported_optimizer_names_the_supported():
-    with fails(TypeError, r"supports torch\.optim\.AdamW, torch\.optim\.Adam, .*lightning_zoff\.optim\.Lion; configure_optimizers returned torch\.optim\.sgd\.SGD"):
+    with fails(TypeError, r"supports torch\.optim\.AdamW, torch\.optim\.Adam, .*lightning_zoff\.optim\.Lion;"
+                          r" configure_optimizers returned torch\.optim\.sgd\.SGD"):
         run(NoStep("sgd"))
 
 
@@ -78,7 +80,7 @@ def test_manual_optimization():
     assert trainer.strategy.launcher.procs == []
 
 
-@pytest.mark.parametrize("mistake,last_line", [
+@pytest.mark.parametrize(("mistake", "last_line"), [
     # known before the ranks start: refused in the main process, so no rank prints a traceback of its own
     ("manual", "ValueError: strategy='zoff' supports automatic optimization only"),
     # known in the ranks only (configure_optimizers): the main process is rank 0 and its message comes last
@@ -90,7 +92,8 @@ def test_default_launcher_ends_with_the_message(tmp_path, mistake, last_line):
     assert proc.returncode == 1
     assert proc.stderr.rstrip().splitlines()[-1].startswith(last_line), proc.stderr[-3000:]
     if mistake == "manual":
-        assert "[rank" not in proc.stderr and "Initializing distributed" not in proc.stderr
+        assert "[rank" not in proc.stderr
+        assert "Initializing distributed" not in proc.stderr
 
 
 def test_precision_64_is_refused_at_trainer_construction():
@@ -105,7 +108,7 @@ def test_precision_flag_becomes_zoff_precision():
     assert ZoffPrecision("16-mixed").param_dtype == torch.float16
     with pytest.raises(ValueError, match="fp16 only"):
         ZoffPrecision("bf16-mixed", hysteresis=1)
-    with pytest.raises(ValueError, match="precision='fp8'.*'bf16-mixed'.*'16-mixed'"):
+    with pytest.raises(ValueError, match=r"precision='fp8'.*'bf16-mixed'.*'16-mixed'"):
         ZoffPrecision("fp8")
 
 
@@ -130,7 +133,8 @@ def test_host_bytes_per_element_by_design():
     assert host_bytes_per_element(param_bytes=2, second_moment=True, overlap=True, accum_bytes=4, moment_bytes=2) == 24
     assert host_bytes_per_element(param_bytes=2, second_moment=True, overlap=True, accum_bytes=0, moment_bytes=2) == 20
     assert host_bytes_per_element(param_bytes=2, second_moment=True, overlap=False, accum_bytes=0, moment_bytes=2) == 12
-    assert host_bytes_per_element(param_bytes=2, second_moment=False, overlap=False, accum_bytes=0, moment_bytes=2) == 10
+    options = dict(param_bytes=2, second_moment=False, overlap=False, accum_bytes=0)
+    assert host_bytes_per_element(**options, moment_bytes=2) == 10
 
 
 def test_a_7b_model_on_128_gb_is_told_what_fits(monkeypatch):

@@ -42,7 +42,7 @@ def test_gpt_init_is_deterministic_and_weights_tie():
     a = GPT(SMALL)
     torch.manual_seed(0)
     b = GPT(SMALL)
-    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
         assert torch.equal(pa, pb), name
     assert all((p == 0).all() for n, p in a.named_parameters() if n.endswith("qkv.bias"))
     tied = GPT(GPTConfig(**{**SMALL.__dict__, "tie_weights": True}))
@@ -54,10 +54,12 @@ def test_optimizer_groups_and_scheduler():
     module = GPTModule(block_size=32, n_layer=1, n_head=2, n_embd=32, lr_step_size=5)
     config = module.configure_optimizers()
     decay, no_decay = config["optimizer"].param_groups
-    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert decay["weight_decay"] == 0.1
+    assert no_decay["weight_decay"] == 0.0
     assert all(p.dim() == 2 for p in decay["params"])
     decayed = {id(p) for p in decay["params"]}
-    assert id(module.model.tok_emb.weight) not in decayed and id(module.model.lm_head.weight) in decayed
+    assert id(module.model.tok_emb.weight) not in decayed
+    assert id(module.model.lm_head.weight) in decayed
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(module.parameters()))
     assert config["lr_scheduler"]["interval"] == "step"
 
@@ -66,7 +68,9 @@ def test_sample_returns_prompt_and_new_bytes():
     torch.manual_seed(0)
     module = GPTModule(block_size=16, n_layer=1, n_head=2, n_embd=32)
     out = module.sample(b"def ", 20, top_k=10)  # longer than block_size: the context is cropped
-    assert isinstance(out, bytes) and out.startswith(b"def ") and len(out) == 24
+    assert isinstance(out, bytes)
+    assert out.startswith(b"def ")
+    assert len(out) == 24
 
 
 def test_byte_windows_deterministic_non_overlapping_shifted():
@@ -74,9 +78,11 @@ def test_byte_windows_deterministic_non_overlapping_shifted():
     windows = ByteWindows(tokens, block_size=16)
     assert len(windows) == 999 // 16
     x0, y0 = windows[0]
-    x1, y1 = windows[1]
-    assert x0.dtype == torch.int64 and x0.shape == (16,)
-    assert torch.equal(y0[:-1], x0[1:]) and y0[-1] == x1[0]
+    x1, _ = windows[1]
+    assert x0.dtype == torch.int64
+    assert x0.shape == (16,)
+    assert torch.equal(y0[:-1], x0[1:])
+    assert y0[-1] == x1[0]
     assert torch.equal(x1, tokens[16:32])  # the next window starts where the last one ended
     assert torch.equal(windows[7][0], ByteWindows(tokens, 16)[7][0])
 
@@ -84,7 +90,8 @@ def test_byte_windows_deterministic_non_overlapping_shifted():
 def test_corpus_reads_stdlib_source():
     data = stdlib_bytes(max_bytes=2_000_000)
     assert len(data) == 2_000_000  # the stdlib holds well over 1 MB of .py source
-    assert b"def " in data and b"import " in data
+    assert b"def " in data
+    assert b"import " in data
     assert stdlib_bytes(max_bytes=10_000) == data[:10_000]
 
 

@@ -171,15 +171,18 @@ def test_sample_under_zoff_gathers_once_and_gives_the_tokens_of_full_forwards(tm
         # the main process got the trained weights back: one process, no sharding, the same tokens
         torch.manual_seed(3)
         assert list(module.eval().sample(PROMPT, SAMPLE_TOKENS, **draw)) == result[kind], kind
-    assert result["resharded"] and result["gathers_after"] == 2 * units
-    assert len(set(result["sampled"])) > 4 and len(set(result["greedy"])) > 4  # tokens that vary: a real check
+    assert result["resharded"]
+    assert result["gathers_after"] == 2 * units
+    assert len(set(result["sampled"])) > 4
+    assert len(set(result["greedy"])) > 4  # tokens that vary: a real check
 
 
 # -- no-grad forwards and the host heap --------------------------------------------------------------------------------
 
 class _MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in
-                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+                ["arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost"]]
 
 
 def heap_bytes() -> int:

@@ -70,7 +70,8 @@ def init_statistics_match(built: nn.Module, meta_built: nn.Module, std: float) -
     reference = built.state_dict()
     for name, value in meta_built.state_dict().items():
         expected = reference[name]
-        assert value.shape == expected.shape and value.dtype == expected.dtype, name
+        assert value.shape == expected.shape, name
+        assert value.dtype == expected.dtype, name
         if expected.numel() > 1 and expected.std() > 0:
             assert value.std().item() == pytest.approx(std, rel=0.1), name
             assert expected.std().item() == pytest.approx(std, rel=0.1), name  # the reference draws the same
@@ -90,12 +91,14 @@ def test_meta_built_hf_model_gets_its_own_init_and_buffers(preset):
     buffers = dict(built.named_buffers())
     assert buffers.keys() == dict(meta_built.named_buffers()).keys()
     for name, buffer in meta_built.named_buffers():
-        assert buffer.device.type == "cpu" and torch.equal(buffer, buffers[name]), name
+        assert buffer.device.type == "cpu", name
+        assert torch.equal(buffer, buffers[name]), name
     config = built.model.config
     init_statistics_match(built, meta_built, std=getattr(config, "initializer_range", None) or config.init_std)
     tied = built.model.config.tie_word_embeddings
     head, embed = meta_built.model.get_output_embeddings().weight, meta_built.model.get_input_embeddings().weight
-    assert (head is embed) == tied and isinstance(head, nn.Parameter)
+    assert (head is embed) == tied
+    assert isinstance(head, nn.Parameter)
     assert sum(p.numel() for p in meta_built.parameters()) == sum(p.numel() for p in built.parameters())
 
 
@@ -129,17 +132,19 @@ def test_meta_materialisation_refusals():
     with torch.device("meta"):
         scale = Scale(4)
     # reset_parameters() of a module that is not torch's own may not recompute the buffers built in __init__
-    with pytest.raises(TypeError, match="Scale was built on the meta device .* holds buffers"):
+    with pytest.raises(TypeError, match=r"Scale was built on the meta device .* holds buffers"):
         materialize(scale, default_param_init(scale))
     with torch.device("meta"):
         scale = Scale(4)
     # an init that misses a tensor: named, instead of training from uninitialised memory
-    with pytest.raises(RuntimeError, match="table was built on the meta device and its initialisation .* left it unset"):
+    with pytest.raises(RuntimeError, match=r"table was built on the meta device and its initialisation .* left it"
+                                           r" unset"):
         materialize(scale, lambda module: module.reset_parameters())
     with torch.device("meta"):
         scale = Scale(4)
     materialize(scale, lambda module: (module.reset_parameters(), module.table.copy_(torch.arange(4.0))))
-    assert torch.equal(scale.table, torch.arange(4.0)) and torch.equal(scale.weight, torch.ones(4))
+    assert torch.equal(scale.table, torch.arange(4.0))
+    assert torch.equal(scale.weight, torch.ones(4))
 
 
 def test_tied_parameters_stay_in_one_unit():
@@ -157,7 +162,7 @@ def test_tied_parameters_stay_in_one_unit():
             self.embed, self.head = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
             self.head.weight = self.embed.weight
 
-    with pytest.raises(ValueError, match="TwoRoots.embed shares a parameter with another top-level submodule"):
+    with pytest.raises(ValueError, match=r"TwoRoots.embed shares a parameter with another top-level submodule"):
         plan_units(TwoRoots())
 
 
@@ -172,14 +177,16 @@ def test_presets_and_optimizer_groups():
     assert set(PRESETS) >= {"llama_tiny", "qwen3_tiny", "opt_tiny", "qwen3_4b"}
     module = HFCausalLM("qwen3_tiny", lr=2e-3)
     decay, no_decay = module.configure_optimizers().param_groups
-    assert decay["lr"] == 2e-3 and no_decay["weight_decay"] == 0.0
+    assert decay["lr"] == 2e-3
+    assert no_decay["weight_decay"] == 0.0
     # the head is the embedding (tied): a lookup table, not decayed; norms are not decayed either
     assert id(module.model.lm_head.weight) in {id(p) for p in no_decay["params"]}
     assert all(p.dim() == 2 for p in decay["params"])
-    with pytest.raises(ValueError, match="not a preset .*qwen3_tiny"):
+    with pytest.raises(ValueError, match=r"not a preset .*qwen3_tiny"):
         hf_config("no_such_model")
     wide = HFCausalLM("qwen3_tiny", config={"vocab_size": 300}, vocab_size=512)  # the argument wins
-    assert wide.model.config.vocab_size == 512 and wide.model.model.embed_tokens.weight.shape == (512, 64)
+    assert wide.model.config.vocab_size == 512
+    assert wide.model.model.embed_tokens.weight.shape == (512, 64)
     assert (wide.block_size, HFCausalLM("qwen3_tiny", block_size=128).block_size) == (256, 128)  # 256: max positions
 
 
@@ -196,11 +203,14 @@ def test_generate_is_greedy_search_at_top_k_1_and_sample_gives_bytes():
     assert torch.equal(module.generate(idx, 24, top_k=1), greedy)
     module.block_size = 8
     out = module.sample(b"def ", 20, top_k=10)  # longer than block_size: the context is cropped
-    assert isinstance(out, bytes) and out.startswith(b"def ") and len(out) == 24
+    assert isinstance(out, bytes)
+    assert out.startswith(b"def ")
+    assert len(out) == 24
     # ids past the bytes (qwen3_4b's vocabulary, barely trained) print as U+FFFD
     assert token_bytes([100, 255, 256, 151935]) == b"d\xff" + "\ufffd".encode() * 2
     wide = HFCausalLM("qwen3_tiny", vocab_size=4096).sample(b"x", 8)  # near uniform: most of its ids are no byte
-    assert wide.startswith(b"x") and "\ufffd".encode() in wide
+    assert wide.startswith(b"x")
+    assert "\ufffd".encode() in wide
 
 
 # -- training on 2 ranks ------------------------------------------------------------------------------------------
@@ -221,7 +231,8 @@ class TieCheck(pl.Callback):
         self.out = out
 
     def on_train_end(self, trainer, pl_module):
-        state = trainer.strategy.full_state_dict() if isinstance(trainer.strategy, ZoffStrategy) else pl_module.state_dict()
+        zoff = isinstance(trainer.strategy, ZoffStrategy)
+        state = trainer.strategy.full_state_dict() if zoff else pl_module.state_dict()
         (self.out / f"tie{trainer.global_rank}.json").write_text(json.dumps(torch.equal(state[EMBED], state[HEAD])))
 
 
@@ -231,11 +242,13 @@ def test_tied_embeddings_train_like_ddp_and_stay_tied(tmp_path):
     _, module = fit(zoff_out, ZoffStrategy(start_method="fork", weights_to_main_process=True),
                     Recorded("qwen3_tiny", lr=3e-3), callbacks=[TieCheck(zoff_out)])
     zoff, ddp = read_probe(zoff_out), read_probe(ref_out)
-    assert len(zoff["losses"]) == 12 and rel_err(zoff["losses"], ddp["losses"]) < 1e-5
+    assert len(zoff["losses"]) == 12
+    assert rel_err(zoff["losses"], ddp["losses"]) < 1e-5
     assert zoff["losses"][-1] < zoff["losses"][0] - 0.5
     # held and updated once: the ranks' shards add up to the deduplicated parameter count
     ranks = [zoff, read_probe(zoff_out, 1)]
-    assert sum(r["memory"]["local_params"] for r in ranks) == zoff["num_params"] == sum(p.numel() for p in module.parameters())
+    params = sum(p.numel() for p in module.parameters())
+    assert sum(r["memory"]["local_params"] for r in ranks) == zoff["num_params"] == params
     assert all(json.loads((zoff_out / f"tie{r}.json").read_text()) for r in (0, 1))
     assert module.model.lm_head.weight is module.model.model.embed_tokens.weight
     ref_state = ref.state_dict()
@@ -272,7 +285,8 @@ def test_meta_built_hf_model_trains_on_two_ranks(tmp_path):
     built = tmp_path / "built"  # the same run from a model built on the CPU: another draw of the same init
     fit(built, ZoffStrategy(start_method="fork"), Recorded("qwen3_tiny", lr=3e-3), max_steps=10)
     losses, reference = read_probe(tmp_path)["losses"], read_probe(built)["losses"]
-    assert abs(losses[0] - reference[0]) < 0.15 and abs(losses[0] - math.log(256)) < 1.0
+    assert abs(losses[0] - reference[0]) < 0.15
+    assert abs(losses[0] - math.log(256)) < 1.0
     assert sum(losses[-4:]) / 4 < losses[0] - 1.0
     # the main process's model, which never had memory, got the trained weights, tied as built
     assert not any(p.is_meta for p in module.parameters())

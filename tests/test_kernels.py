@@ -25,7 +25,8 @@ ADAM_CASES = {
     "adamw": dict(decoupled=True, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, maximize=False),
     "adam_l2": dict(decoupled=False, lr=3e-3, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1, maximize=False),
     "adamw_maximize": dict(decoupled=True, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, maximize=True),
-    "adam_low_beta1": dict(decoupled=False, lr=1e-3, beta1=0.3, beta2=0.999, eps=1e-8, weight_decay=0.0, maximize=False),
+    "adam_low_beta1": dict(decoupled=False, lr=1e-3, beta1=0.3, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                           maximize=False),
 }
 LION = dict(lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.1)
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
@@ -76,7 +77,8 @@ def _assert_bits_equal(out: torch.Tensor, expected: torch.Tensor) -> None:
     """Bit for bit where `expected` is a number; NaN where it is NaN (bf16 NaN is 0x7FC0, as c10::BFloat16)."""
     nan = expected.isnan()
     bits = torch.int16 if out.element_size() == 2 else torch.int32
-    assert out.dtype == expected.dtype and torch.equal(out.isnan(), nan)
+    assert out.dtype == expected.dtype
+    assert torch.equal(out.isnan(), nan)
     assert torch.equal(out.view(bits)[~nan], expected.view(bits)[~nan])
     if out.dtype == torch.bfloat16:
         assert bool((out.view(torch.int16)[nan] == 0x7FC0).all())
@@ -292,11 +294,11 @@ def _run_bf16_moments_against_references(isa, rule, grad_dtype, scale, n, where)
             terms = (before[1].double().abs() + g.abs() + case["weight_decay"] * before[0].double().abs(),
                      before[2].double() + g * g)
         if into is not None:
-            assert all(torch.equal(a, b) for a, b in zip(before, state))  # the inputs are untouched
+            assert all(torch.equal(a, b) for a, b in zip(before, state, strict=True))  # the inputs are untouched
             p, m, v = into[0], into[1], None if lion else into[2]
             state = list(into)
         ref = [new[0]] + [t.to(torch.bfloat16) for t in new[1:]]
-        for ours, theirs in zip(state, ref):
+        for ours, theirs in zip(state, ref, strict=True):
             _assert_bits_equal(ours, theirs)  # the master too: the same fp32 math on the same bf16 moments
         for ours, theirs, size in zip(state[1:], exact_m, terms, strict=True):  # near the exact value
             _assert_within_one_bf16_ulp(ours, theirs, size)
@@ -325,7 +327,8 @@ def test_bf16_moments_round_ties_to_even_and_keep_nan(isa):
     _, ref_m, ref_v = _adam_f32_ops(p, torch.zeros(n), torch.zeros(n), g, 1.0, 1, **case)
     _assert_bits_equal(m, ref_m.to(torch.bfloat16))
     _assert_bits_equal(v, ref_v.to(torch.bfloat16))
-    assert bool(m.isnan().any()) and bool(m.isinf().any())
+    assert bool(m.isnan().any())
+    assert bool(m.isinf().any())
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -353,7 +356,8 @@ def test_grad_sumsq_finiteness_is_of_the_fp32_scaled_value(isa):
     # 60000 * 4 leaves the fp16 range but is a finite fp32 value: that is what the update uses, so it is finite
     grad = torch.full((33,), 60000.0, dtype=torch.float16)
     sumsq, finite = ops.grad_sumsq_finite(grad, 4.0, isa=isa, threads=THREADS)
-    assert finite and sumsq == pytest.approx(33 * 240000.0**2, rel=1e-12)
+    assert finite
+    assert sumsq == pytest.approx(33 * 240000.0**2, rel=1e-12)
     # 3e38 * 2 overflows fp32: the scaled value is inf
     assert ops.grad_sumsq_finite(torch.full((33,), 3e38), 2.0, isa=isa, threads=THREADS)[1] is False
 
@@ -412,9 +416,9 @@ def test_update_into_other_tensors_equals_in_place(isa, rule, n, stream):
         kwargs = dict(_adam_kwargs(ADAM_CASES["adamw"]), step=4, grad_scale=0.5, isa=isa, threads=THREADS)
         ops.adam_step(inplace[0], grad, inplace[1], inplace[2], out=out_inplace, stream=False, **kwargs)
         ops.adam_step(p, grad, m, v, out=out_into, into=tuple(into), stream=stream, **kwargs)
-    for old, now in zip(before, state):
+    for old, now in zip(before, state, strict=True):
         assert torch.equal(old, now)  # the inputs are untouched
-    for a, b in zip(inplace, into):
+    for a, b in zip(inplace, into, strict=True):
         assert torch.equal(a, b)
     assert torch.equal(out_inplace.view(torch.int16), out_into.view(torch.int16))
     assert not torch.equal(inplace[0], before[0])  # it did update
@@ -485,8 +489,8 @@ def test_bad_tensors_raise_instead_of_copying():
         _adam_call(t(), t(), t(), t(dtype=torch.float16))
     with pytest.raises(ValueError, match=r"exp_avg_sq must have exp_avg's dtype \(BFloat16\), got Float"):
         _adam_call(t(), t(), t(dtype=torch.bfloat16), t())
+    bf16 = t(dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"into\[2\] must be BFloat16 like the state it replaces, got Float"):
-        bf16 = t(dtype=torch.bfloat16)
         _adam_call(t(), t(), bf16, bf16.clone(), into=(t(), bf16.clone(), t()))
     with pytest.raises(ValueError, match=r"exp_avg \(an optimizer moment\) must be float32 or bfloat16, got Half"):
         ops.lion_step(t(), t(), t(dtype=torch.float16), lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.0, isa="scalar")
@@ -510,7 +514,7 @@ def test_bad_arguments_raise():
         _adam_call(t(), t(), t(), t(), step=0)
     with pytest.raises(ValueError, match="threads must be"):
         _adam_call(t(), t(), t(), t(), threads=0)
-    with pytest.raises(ValueError, match="choose one of: .*scalar"):
+    with pytest.raises(ValueError, match=r"choose one of: .*scalar"):
         _adam_call(t(), t(), t(), t(), isa="bogus")
     for missing in {"avx512", "avx2", "scalar"} - set(ISAS):  # refused before any of its instructions runs
         with pytest.raises(ValueError, match=f"isa '{missing}' is not one this CPU runs"):

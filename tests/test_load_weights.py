@@ -85,13 +85,16 @@ def test_weights_get_the_modules_names():
     expected = module.state_dict().keys()
     inner = module.model.state_dict()  # as the inner model would save itself, without the attribute's name
     renamed, prefix = to_module_names(inner, expected, module)
-    assert prefix == "model." and renamed.keys() == expected
+    assert prefix == "model."
+    assert renamed.keys() == expected
     renamed, prefix = to_module_names(module.state_dict(), expected, module)
-    assert prefix == "" and renamed.keys() == expected
+    assert prefix == ""
+    assert renamed.keys() == expected
     # one block's weights, explicitly into the second block
     block = module.model.blocks[0].state_dict()
     renamed, prefix = to_module_names(block, expected, module, prefix="model.blocks.1.")
-    assert prefix == "model.blocks.1." and renamed.keys() == module.model.blocks[1].state_dict(prefix=prefix).keys()
+    assert prefix == "model.blocks.1."
+    assert renamed.keys() == module.model.blocks[1].state_dict(prefix=prefix).keys()
     blocks = r"\['model.blocks.0.', 'model.blocks.1.', 'model.blocks.2.'\]"
     with pytest.raises(ValueError, match=rf"equally under the prefixes {blocks}; pass prefix="):
         to_module_names(block, expected, module)

@@ -62,7 +62,8 @@ def test_one_job(tmp_path):
     run_dir = checkpoint.parents[1]
     assert run_dir.parent.parent == tmp_path / "outputs"  # outputs/<date>/<time>/
     step, weights = load_weights(checkpoint)
-    assert step == 3 and all(w.dtype == torch.float32 for w in weights.values())
+    assert step == 3
+    assert all(w.dtype == torch.float32 for w in weights.values())
     assert is_png(run_dir / "loss.png")
     sample = out.split(" sample ")[1].split("\n", 1)[1]
     assert sample.startswith("def ")
@@ -78,15 +79,19 @@ def test_one_job_with_a_hugging_face_model(tmp_path):
     if metrics.exists():
         with open(metrics) as rows:
             losses = [float(row["train_loss"]) for row in csv.DictReader(rows) if row["train_loss"]]
-        assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
+        assert len(losses) == 3
+        assert all(math.isfinite(loss) for loss in losses)
+        assert losses[-1] < losses[0]
     else:  # TensorBoard's logger: the progress bar's (TQDM or Rich) last loss
         assert re.search(r"train_loss[=:] ?\d", out)
     step, weights = load_weights(checkpoint, HFCausalLM("qwen3_tiny"))
-    assert step == 3 and "model.model.layers.1.mlp.down_proj.weight" in weights
+    assert step == 3
+    assert "model.model.layers.1.mlp.down_proj.weight" in weights
     assert is_png(run_dir / "loss.png")
     # the sample: HFCausalLM.sample, run by the sharded model in both ranks
     sample = out.split(" sample ")[1].split("\n", 1)[1]
-    assert sample.startswith("def ") and "step breakdown (rank 0, steps 2-3" in out
+    assert sample.startswith("def ")
+    assert "step breakdown (rank 0, steps 2-3" in out
 
 
 def test_sweep_runs_each_job_in_its_own_directory(tmp_path):
@@ -94,10 +99,11 @@ def test_sweep_runs_each_job_in_its_own_directory(tmp_path):
     jobs = sorted((tmp_path / "multirun").glob("*/*/[0-9]"))
     assert [job.name for job in jobs] == ["0", "1"], proc.stdout[-2000:]
     weights = []
-    for job, lr in zip(jobs, ("0.001", "0.002")):
+    for job, lr in zip(jobs, ("0.001", "0.002"), strict=True):
         assert f"optimizer.lr={lr}" in (job / ".hydra" / "overrides.yaml").read_text()
         step, state = load_weights(job / "checkpoints" / "last.ckpt")
-        assert step == 2 and is_png(job / "loss.png")
+        assert step == 2
+        assert is_png(job / "loss.png")
         weights.append(state)
     # both jobs trained from the same seed, so only the learning rate can tell their weights apart
     assert not torch.equal(weights[0]["model.blocks.0.mlp.fc.weight"], weights[1]["model.blocks.0.mlp.fc.weight"])

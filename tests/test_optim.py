@@ -25,7 +25,7 @@ def run(opt_cls, params, steps, grad_dtype=torch.float32, schedule=True, **kw):
     opt = opt_cls(groups, lr=1e-3, **kw)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5) if schedule else None
     for step in range(steps):
-        for p, g in zip(params, grads_for(step, params, grad_dtype)):
+        for p, g in zip(params, grads_for(step, params, grad_dtype), strict=True):
             if grad_dtype != p.dtype:
                 p.grad_dtype = None  # torch >= 2.10: let an fp32 parameter hold a 16-bit gradient
                 p.grad = g
@@ -37,12 +37,12 @@ def run(opt_cls, params, steps, grad_dtype=torch.float32, schedule=True, **kw):
     return opt
 
 
-@pytest.mark.parametrize("ours, theirs", [(AdamW, torch.optim.AdamW), (Adam, torch.optim.Adam)])
+@pytest.mark.parametrize(("ours", "theirs"), [(AdamW, torch.optim.AdamW), (Adam, torch.optim.Adam)])
 def test_matches_torch_and_state_dict_shape(ours, theirs):
     a, b = make_params(), make_params()
     opt_a = run(ours, a, 30, betas=(0.9, 0.95), eps=1e-6)
     opt_b = run(theirs, b, 30, betas=(0.9, 0.95), eps=1e-6)
-    for pa, pb in zip(a, b):
+    for pa, pb in zip(a, b, strict=True):
         torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
     sa, sb = opt_a.state_dict(), opt_b.state_dict()
     assert sa["state"].keys() == sb["state"].keys()
@@ -56,14 +56,15 @@ def test_matches_torch_and_state_dict_shape(ours, theirs):
 def test_bf16_grads_match_torch_fed_the_same_values():
     a, b = make_params(), make_params()
     run(AdamW, a, 25, grad_dtype=torch.bfloat16)
-    opt_b = torch.optim.AdamW([{"params": b[:1], "weight_decay": 0.1}, {"params": b[1:], "weight_decay": 0.0, "lr": 2e-3}], lr=1e-3)
+    groups_b = [{"params": b[:1], "weight_decay": 0.1}, {"params": b[1:], "weight_decay": 0.0, "lr": 2e-3}]
+    opt_b = torch.optim.AdamW(groups_b, lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt_b, step_size=7, gamma=0.5)
     for step in range(25):
-        for p, g in zip(b, grads_for(step, b, torch.bfloat16)):
+        for p, g in zip(b, grads_for(step, b, torch.bfloat16), strict=True):
             p.grad = g.float()
         opt_b.step()
         sched.step()
-    for pa, pb in zip(a, b):
+    for pa, pb in zip(a, b, strict=True):
         torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
 
 
@@ -72,15 +73,15 @@ def test_load_state_dict_continues_identically():
     opt_a = run(AdamW, a, 10, schedule=False)
     opt_b = AdamW([{"params": b[:1], "weight_decay": 0.1}, {"params": b[1:], "weight_decay": 0.0, "lr": 2e-3}], lr=1e-3)
     with torch.no_grad():
-        for pa, pb in zip(a, b):
+        for pa, pb in zip(a, b, strict=True):
             pb.copy_(pa)
     opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))  # a live state_dict shares tensors
     for step in range(10, 15):
         for params, opt in ((a, opt_a), (b, opt_b)):
-            for p, g in zip(params, grads_for(step, params)):
+            for p, g in zip(params, grads_for(step, params), strict=True):
                 p.grad = g
             opt.step()
-    for pa, pb in zip(a, b):
+    for pa, pb in zip(a, b, strict=True):
         assert torch.equal(pa, pb)
 
 
@@ -88,7 +89,7 @@ def reference_lion(params, steps, lr, betas, wd):
     ms = [torch.zeros_like(p) for p in params]
     directions = []
     for step in range(steps):
-        for p, m, g in zip(params, ms, grads_for(step, params)):
+        for p, m, g in zip(params, ms, grads_for(step, params), strict=True):
             c = m * betas[0] + g * (1 - betas[0])
             directions.append(c)
             p.data.mul_(1 - lr * wd).add_(torch.sign(c), alpha=-lr)
@@ -100,12 +101,12 @@ def test_lion_matches_its_definition_elementwise():
     a, b = make_params(), make_params()
     opt = Lion(a, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
     for step in range(25):
-        for p, g in zip(a, grads_for(step, a)):
+        for p, g in zip(a, grads_for(step, a), strict=True):
             p.grad = g
         opt.step()
     directions = reference_lion(b, 25, 1e-3, (0.9, 0.99), 0.1)
     near_zero = [c.abs() < 1e-6 for c in directions[-len(a):]]
-    for pa, pb, skip in zip(a, b, near_zero):
+    for pa, pb, skip in zip(a, b, near_zero, strict=True):
         diff = (pa - pb).abs()[~skip]
         assert diff.max() <= 1e-6, diff.max()  # each step moves by lr x (-1, 0, 1): any wrong sign shows as 2e-3
 

@@ -4,7 +4,6 @@ and gradient accumulation on the host or the accelerator."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -62,7 +61,8 @@ def run(out: Path, *, overlap: bool, await_speculation: bool = False, accumulate
         accelerator="cpu", devices=2,
         strategy=ZoffStrategy(start_method="fork", overlap=overlap, grad_accum_on=where, optimizer_state_dtype=moments),
         plugins=[ZoffPrecision("16-mixed", scale=2.0**10, hysteresis=1)], max_steps=STEPS,
-        accumulate_grad_batches=accumulate, gradient_clip_val=0.9 if accumulate == 1 else 0.81, callbacks=[Record(out, await_speculation)],
+        accumulate_grad_batches=accumulate, gradient_clip_val=0.9 if accumulate == 1 else 0.81,
+        callbacks=[Record(out, await_speculation)],
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(PoisonOneStep(), token_loader(n=2 * 2 * 4 * STEPS * accumulate))
@@ -72,13 +72,14 @@ def run(out: Path, *, overlap: bool, await_speculation: bool = False, accumulate
 def assert_same_bits(a: dict, b: dict) -> None:
     assert a["losses"] == b["losses"]  # floats compared exactly
     assert repr(a["outcomes"]) == repr(b["outcomes"])  # repr: exact for floats, and NaN equals NaN
-    assert a["steps"] == b["steps"] and a["scale"] == b["scale"]
+    assert a["steps"] == b["steps"]
+    assert a["scale"] == b["scale"]
     assert a["state"].keys() == b["state"].keys()
     for name, tensor in a["state"].items():
         assert torch.equal(tensor.view(torch.uint8), b["state"][name].view(torch.uint8)), name
 
 
-@pytest.mark.parametrize("accumulate, where, moments", [(1, "host", "fp32"), (2, "host", "fp32"),
+@pytest.mark.parametrize(("accumulate", "where", "moments"), [(1, "host", "fp32"), (2, "host", "fp32"),
                                                        (2, "accelerator", "fp32"), (2, "host", "bf16")])
 def test_overlap_equals_synchronous_bitwise(tmp_path, accumulate, where, moments):
     sync = run(tmp_path / "sync", overlap=False, accumulate=accumulate, where=where, moments=moments)
@@ -86,14 +87,16 @@ def test_overlap_equals_synchronous_bitwise(tmp_path, accumulate, where, moments
     assert len(outcomes) == STEPS
     assert [skipped for skipped, *_ in outcomes] == [i == BAD_STEP for i in range(STEPS)]
     clipped = [coef < 1.0 for skipped, coef, _ in outcomes if not skipped]
-    assert any(clipped) and not all(clipped)  # clipping active on some steps only: both speculation outcomes
+    assert any(clipped)
+    assert not all(clipped)  # clipping active on some steps only: both speculation outcomes
     # every unit speculated before the decision: kept on unclipped steps, redone on clipped ones, dropped on the skip
     awaited = run(tmp_path / "awaited", overlap=True, await_speculation=True, accumulate=accumulate, where=where,
                   moments=moments)
     for rank in (0, 1):
         assert_same_bits(awaited[rank], sync[rank])
         units = len(awaited[rank]["steps"]) and awaited[rank]["speculations"]
-        assert units["kept"] > 0 and units["redone"] > 0
+        assert units["kept"] > 0
+        assert units["redone"] > 0
     assert sync[0]["speculations"] is None  # no scheduler: nothing speculates
     assert {sync[0]["state"]["0.m"].dtype, awaited[0]["state"]["0.v"].dtype} == {DTYPES[moments]}
     if accumulate == 1:  # and with the worker's natural timing

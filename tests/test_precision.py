@@ -52,7 +52,8 @@ class StateWatch(pl.Callback):
         after, steps_after, lrs_after = self._state(trainer)
         self.rows.append({
             "skipped": trainer.strategy.last_step.skipped,
-            "unchanged": all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(tensors, after)),
+            "unchanged": all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                             for a, b in zip(tensors, after, strict=True)),
             "steps_unchanged": steps == steps_after, "lr_unchanged": lrs == lrs_after,
             "scale_before": scale, "scale_after": trainer.precision_plugin.loss_scale,
         })
@@ -73,7 +74,7 @@ def run(tmp_path, poison, precision):
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
-@pytest.mark.parametrize("precision, poison", [
+@pytest.mark.parametrize(("precision", "poison"), [
     (ZoffPrecision("16-mixed", hysteresis=1), float("inf")),
     (ZoffPrecision("bf16-mixed"), float("nan")),
 ])
@@ -82,7 +83,9 @@ def test_non_finite_step_is_skipped_exactly(tmp_path, precision, poison):
         assert len(rows) == 7
         assert [r["skipped"] for r in rows] == [i == BAD_STEP for i in range(7)]
         bad = rows[BAD_STEP]
-        assert bad["unchanged"] and bad["steps_unchanged"] and bad["lr_unchanged"]  # nothing moved, bit for bit
+        assert bad["unchanged"]
+        assert bad["steps_unchanged"]
+        assert bad["lr_unchanged"]  # nothing moved, bit for bit
         # StepLR(step_size=3) decays after 3 real updates: at index 2, then (one step skipped) at 6, not 5
         assert [i for i, r in enumerate(rows) if not r["lr_unchanged"]] == [2, 6]
         others = [r for i, r in enumerate(rows) if i != BAD_STEP]
@@ -200,7 +203,8 @@ def test_accumulation_dtype_must_fit_the_model():
         ZoffStrategy(grad_accum_dtype="fp8")
     strategy = ZoffStrategy(grad_accum_dtype="fp16")
     strategy.precision_plugin = ZoffPrecision("bf16-mixed")
-    with pytest.raises(ValueError, match=r"cannot accumulate gradients of a bf16-mixed model; choose one of \['bf16', 'fp32'\]"):
+    with pytest.raises(ValueError,
+                       match=r"cannot accumulate gradients of a bf16-mixed model; choose one of \['bf16', 'fp32'\]"):
         strategy._check_accum_dtype()
 
 
@@ -228,7 +232,7 @@ class RecordSkips(pl.Callback):
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(trainer.strategy.last_step.skipped))
 
 
-@pytest.mark.parametrize("accum, where, skipped", [
+@pytest.mark.parametrize(("accum", "where", "skipped"), [
     ("fp16", "host", True), ("fp16", "accelerator", True), ("fp32", "host", False), ("fp32", "accelerator", False),
 ])
 def test_overflow_is_judged_on_the_stored_sum(tmp_path, accum, where, skipped):
@@ -238,5 +242,6 @@ def test_overflow_is_judged_on_the_stored_sum(tmp_path, accum, where, skipped):
         max_steps=1, accumulate_grad_batches=WINDOW, callbacks=[RecordSkips(tmp_path)], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
-    trainer.fit(LargeGradients(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(2 * WINDOW, 1))))
+    data = torch.utils.data.TensorDataset(torch.zeros(2 * WINDOW, 1))
+    trainer.fit(LargeGradients(), torch.utils.data.DataLoader(data))
     assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)] == [skipped, skipped]

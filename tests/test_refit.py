@@ -96,7 +96,9 @@ def test_second_fit_trains_like_ddp_with_a_fresh_optimizer(tmp_path, first_optim
     (zoff, zoff_fits), (ddp, ddp_fits) = runs["zoff"], runs["ddp"]
     # the reference: DDP's second fit steps a new torch optimizer that starts without state
     first, second = ddp_fits
-    assert first["state_at_end"] > 0 and second["new_optimizer"] and second["state_at_start"] == 0
+    assert first["state_at_end"] > 0
+    assert second["new_optimizer"]
+    assert second["state_at_start"] == 0
     expected = ("AdamW", 2) if second_optimizer == "adamw" else ("Lion", 3)
     assert (second["optimizer"], second["groups"]) == expected == (zoff_fits[1]["optimizer"], zoff_fits[1]["groups"])
     assert len(zoff["losses"]) == len(ddp["losses"]) == 16  # 8 steps x 2 micro-batches, half of them in each fit
@@ -194,7 +196,8 @@ def validate_from_a_checkpoint_then_fit(rank: int, out: Path) -> None:
     saved = trainer.strategy.full_state_dict()
     masters = KeepMasters()
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ZoffStrategy(), max_steps=1, callbacks=[masters],
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
     module = TinyModule()  # initialised afresh
     trainer.validate(module, token_loader(n=16, seed=1), ckpt_path=out / "checkpoint", verbose=False)
     trainer.fit(module, token_loader())

@@ -11,14 +11,14 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.multiprocessing import ProcessRaisedException
 
 import lightning_zoff
+import tiny
 from lightning_zoff import ZoffStrategy
 from lightning_zoff.offload.budget import host_bytes_per_element
-import tiny
 from tiny import SEQ, VOCAB, Probe, TinyModule, read_probe, token_loader
 
 
-def fit(tmp_path, strategy, *, devices=2, precision="32-true", batch_size=4, max_steps=12, optimizer="adamw", accumulate=2,
-        module=None, callbacks=(), **kw):
+def fit(tmp_path, strategy, *, devices=2, precision="32-true", batch_size=4, max_steps=12, optimizer="adamw",
+        accumulate=2, module=None, callbacks=(), **kw):
     pl.seed_everything(7)
     module = module or TinyModule(optimizer)
     trainer = pl.Trainer(
@@ -43,7 +43,7 @@ def ddp_losses(tmp_path_factory):
 
 
 def test_zoff_matches_ddp_adamw_fp32(tmp_path, ddp_losses):
-    trainer, module = fit(tmp_path, ZoffStrategy(start_method="fork", weights_to_main_process=True))
+    _, module = fit(tmp_path, ZoffStrategy(start_method="fork", weights_to_main_process=True))
     zoff = read_probe(tmp_path)
     assert len(zoff["losses"]) == len(ddp_losses["losses"]) == 24  # 12 steps x 2 micro-batches
     assert rel_err(zoff["losses"], ddp_losses["losses"]) < 1e-5
@@ -54,7 +54,8 @@ def test_zoff_matches_ddp_adamw_fp32(tmp_path, ddp_losses):
     state = module.state_dict()
     assert state.keys() == ddp_losses["state_dict"].keys()
     for name, value in state.items():
-        assert value.dtype == torch.float32 and type(value) is torch.Tensor
+        assert value.dtype == torch.float32
+        assert type(value) is torch.Tensor
         torch.testing.assert_close(value, ddp_losses["state_dict"][name], rtol=1e-4, atol=1e-5)
 
 
@@ -62,7 +63,8 @@ def test_zoff_bf16_mixed_close_to_ddp(tmp_path, ddp_losses):
     fit(tmp_path, ZoffStrategy(start_method="fork"), precision="bf16-mixed")
     zoff = read_probe(tmp_path)
     assert zoff["param_dtypes"] == ["torch.bfloat16"]  # the accelerator holds only 16-bit shards
-    assert zoff["state_dtypes"] == ["torch.float32"] and zoff["state_devices"] == ["cpu"]
+    assert zoff["state_dtypes"] == ["torch.float32"]
+    assert zoff["state_devices"] == ["cpu"]
     assert rel_err(zoff["losses"], ddp_losses["losses"]) < 0.03
 
 
@@ -121,9 +123,11 @@ def test_adam_l2_matches_ddp(tmp_path):
 
 def test_registered_names():
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="zoff", logger=False)
-    assert isinstance(trainer.strategy, ZoffStrategy) and trainer.strategy.offload
+    assert isinstance(trainer.strategy, ZoffStrategy)
+    assert trainer.strategy.offload
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="zoff_no_offload", logger=False)
-    assert isinstance(trainer.strategy, ZoffStrategy) and not trainer.strategy.offload
+    assert isinstance(trainer.strategy, ZoffStrategy)
+    assert not trainer.strategy.offload
     assert lightning_zoff.ZoffStrategy is ZoffStrategy
 
 
@@ -170,7 +174,7 @@ def test_accumulating_on_the_accelerator_gives_the_same_bits(tmp_path, retain):
                                               retain_gpu_grad_partition_until_step=retain),
                           precision="bf16-true", accumulate=3, max_steps=5)
     assert read_probe(accel)["losses"] == read_probe(host)["losses"]
-    for a, b in zip(accel_module.state_dict().values(), host_module.state_dict().values()):
+    for a, b in zip(accel_module.state_dict().values(), host_module.state_dict().values(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -202,7 +206,8 @@ def test_activation_checkpointing_changes_no_loss(tmp_path):
         out.mkdir()
         pl.seed_everything(7)
         trainer = pl.Trainer(
-            accelerator="cpu", devices=2, strategy=ZoffStrategy(start_method="fork", activation_checkpointing_policy=policy),
+            accelerator="cpu", devices=2,
+            strategy=ZoffStrategy(start_method="fork", activation_checkpointing_policy=policy),
             max_steps=4, accumulate_grad_batches=2, gradient_clip_val=0.84, callbacks=[Probe(out)], logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         )
@@ -210,12 +215,14 @@ def test_activation_checkpointing_changes_no_loss(tmp_path):
         results[name] = (read_probe(out)["losses"], int((out / "calls0.txt").read_text()))
     (plain_losses, plain_calls), (ac_losses, ac_calls) = results["plain"], results["checkpointed"]
     assert ac_losses == plain_losses  # bit for bit: the recomputed forward is the same computation
-    assert plain_calls == 3 * 8 and ac_calls == 2 * plain_calls  # 8 micro-batches x 3 blocks, each run twice
+    assert plain_calls == 3 * 8
+    assert ac_calls == 2 * plain_calls  # 8 micro-batches x 3 blocks, each run twice
 
 
 def test_activation_checkpointing_policy_must_match_a_module(tmp_path):
     # raised in the ranks at setup, before any step: the launcher hands it on wrapped
-    with pytest.raises((ValueError, ProcessRaisedException), match="activation_checkpointing_policy=.*GRU.*matches no"):
+    with pytest.raises((ValueError, ProcessRaisedException),
+                       match=r"activation_checkpointing_policy=.*GRU.*matches no"):
         fit(tmp_path, ZoffStrategy(start_method="fork", activation_checkpointing_policy={torch.nn.GRU}), max_steps=1)
 
 
@@ -307,6 +314,7 @@ def test_param_init_fn_initialises_what_was_built_on_meta(tmp_path):
             torch.nn.init.constant_(p, 0.125)
 
     stats = fit_on_meta(tmp_path, TinyModule, param_init_fn=constant)
-    assert stats and all(value == [0.125, 0.0] for value in stats.values())
-    with pytest.raises(TypeError, match="param_init_fn='normal'.*callable"):
+    assert stats
+    assert all(value == [0.125, 0.0] for value in stats.values())
+    with pytest.raises(TypeError, match=r"param_init_fn='normal'.*callable"):
         ZoffStrategy(param_init_fn="normal")

@@ -19,7 +19,7 @@ from torch import nn
 import tiny
 from lightning_zoff import ZoffStrategy
 from resume_run import resume_fit
-from tiny import DIM, VOCAB, TinyModule, read_probe, token_loader
+from tiny import DIM, VOCAB, TinyModule, token_loader
 
 STEPS = 8
 
@@ -160,7 +160,7 @@ def assert_like_ddp(zoff: dict, ref: dict) -> None:
     for rank in (0, 1):
         assert rel_err(zoff[rank]["losses"], ref[rank]["losses"]) < 1e-5
         assert zoff[rank]["steps"] == ref[rank]["steps"]  # the same parameters stepped, step by step
-    for mine, theirs in zip(zoff[0]["weights"], ref[0]["weights"]):
+    for mine, theirs in zip(zoff[0]["weights"], ref[0]["weights"], strict=True):
         for name in theirs:
             torch.testing.assert_close(mine[name], theirs[name], rtol=1e-4, atol=1e-6)
 
@@ -207,8 +207,8 @@ def test_moe_experts_without_tokens_match_ddp(tmp_path):
     assert_like_ddp(zoff, ref)
     hits = [[set(h) for block in zoff[rank]["hits"] for h in block] for rank in (0, 1)]
     # the cases that matter happened: an expert used on one rank only, and a real one used on no rank at some step
-    assert any(a != b for a, b in zip(*hits))
-    assert any(len(a | b) < 8 for a, b in zip(*hits))
+    assert any(a != b for a, b in zip(*hits, strict=True))
+    assert any(len(a | b) < 8 for a, b in zip(*hits, strict=True))
     masked = "model.blocks.1.experts.8."
     assert not [n for n in zoff[0]["steps"][-1] if n.startswith(masked)]  # never stepped
     unchanged_while_unused(zoff, masked, [False] * STEPS)

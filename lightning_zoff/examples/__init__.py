@@ -3,4 +3,4 @@
 from lightning_zoff.examples.corpus import ByteWindows, CorpusDataModule, SyntheticDataModule
 from lightning_zoff.examples.gpt import GPT, GPTConfig, GPTModule
 
-__all__ = ["GPT", "GPTConfig", "GPTModule", "ByteWindows", "CorpusDataModule", "SyntheticDataModule"]
+__all__ = ["GPT", "ByteWindows", "CorpusDataModule", "GPTConfig", "GPTModule", "SyntheticDataModule"]

@@ -36,7 +36,8 @@ class ByteWindows(Dataset):
     """Non-overlapping windows of a token stream: item i is (x, y), y being x shifted by one token."""
 
     def __init__(self, tokens: torch.Tensor, block_size: int):
-        assert tokens.dim() == 1 and len(tokens) > block_size, "need a 1-D stream longer than one block"
+        assert tokens.dim() == 1, "need a 1-D stream longer than one block"
+        assert len(tokens) > block_size, "need a 1-D stream longer than one block"
         self.tokens = tokens
         self.block_size = block_size
 
@@ -52,6 +53,10 @@ class ByteWindows(Dataset):
 
 class _WindowsDataModule(pl.LightningDataModule):
     """Dataloaders over train/val/test ByteWindows that subclasses build in `setup`."""
+
+    train_set: ByteWindows
+    val_set: ByteWindows
+    test_set: ByteWindows
 
     def __init__(self, batch_size: int, num_workers: int, seed: int):
         super().__init__()

@@ -42,7 +42,7 @@ class KVCache:
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache `k`, `v` (B, n_head, T, head_size) after the positions before; return the keys and values of all."""
         assert self.length == 0 or k.size(2) == 1, "a cache takes a whole context first, then one token at a time"
-        if self.keys is None:
+        if self.keys is None or self.values is None:
             self.keys = k.new_empty(k.size(0), k.size(1), self.size, k.size(3))
             self.values = torch.empty_like(self.keys)
         start, self.length = self.length, self.length + k.size(2)
@@ -192,7 +192,8 @@ def decay_groups(module: nn.Module) -> list[dict]:
     Embeddings are 2-D but act as lookup tables: decaying them only shrinks rare tokens (a head tied to the token
     embedding counts as an embedding)."""
     embedding_params = {id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for p in module.parameters():
         if not p.requires_grad:
             continue
@@ -232,7 +233,7 @@ class GPTModule(pl.LightningModule):
         # a factory is code, not a hyperparameter: checkpoints must load without it
         self.save_hyperparameters(ignore=["optimizer"])
         self.optimizer_factory = optimizer or functools.partial(
-            torch.optim.AdamW, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay
+            torch.optim.AdamW, lr=lr, betas=(betas[0], betas[1]), eps=eps, weight_decay=weight_decay
         )
         self.model = GPT(
             GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout, bias, tie_weights)
@@ -271,9 +272,9 @@ class GPTModule(pl.LightningModule):
         # Runs after the strategy has sharded the model, so look parameters up now, not in __init__.
         optimizer = self.optimizer_factory(decay_groups(self))
         hp = self.hparams
-        if hp.lr_step_size <= 0:
+        if hp["lr_step_size"] <= 0:
             return optimizer
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=hp.lr_step_size, gamma=hp.lr_gamma)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=hp["lr_step_size"], gamma=hp["lr_gamma"])
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def sample(

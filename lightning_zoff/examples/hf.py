@@ -99,7 +99,7 @@ class HFCausalLM(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer"])
         self.optimizer_factory = optimizer or functools.partial(
-            torch.optim.AdamW, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay
+            torch.optim.AdamW, lr=lr, betas=(betas[0], betas[1]), eps=eps, weight_decay=weight_decay
         )
         if vocab_size is not None:
             config = {**(config or {}), "vocab_size": vocab_size}

@@ -30,10 +30,10 @@ class LossHistory(pl.Callback):
         fig = Figure(figsize=(7, 4))
         ax = fig.subplots()
         if self.train:
-            steps, losses = zip(*self.train)
+            steps, losses = zip(*self.train, strict=True)
             ax.plot(steps, torch.stack(losses).float().cpu(), label="train (rank 0)", linewidth=0.8)
         if self.val:
-            ax.plot(*zip(*self.val), "o-", label="val")
+            ax.plot(*zip(*self.val, strict=True), "o-", label="val")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("cross entropy (nats/token)")
         ax.grid(alpha=0.3)
@@ -55,7 +55,9 @@ class StepBreakdown(pl.Callback):
         if not trainer.is_global_zero or trainer.global_step == self._last_step:
             return
         self._last_step = trainer.global_step
-        metrics = {k.removeprefix("zoff/"): float(v) for k, v in trainer.callback_metrics.items() if k.startswith("zoff/")}
+        metrics = {
+            k.removeprefix("zoff/"): float(v) for k, v in trainer.callback_metrics.items() if k.startswith("zoff/")
+        }
         if metrics:
             self.steps.append(metrics)
 

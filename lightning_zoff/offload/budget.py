@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import os
 
+import psutil
+
 from lightning_zoff.offload.layout import UnitLayout
 
 log = logging.getLogger("lightning_zoff")
@@ -20,20 +22,9 @@ def host_bytes_per_element(*, param_bytes: int, second_moment: bool, overlap: bo
     return state * (2 if overlap else 1) + accum_bytes + staging
 
 
-def _meminfo_bytes(field: str) -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def host_memory_total() -> int | None:
+def host_memory_total() -> int:
     """The machine's memory; ZOFF_HOST_MEMORY_BYTES overrides it (tests, shared hosts)."""
-    return int(os.environ.get("ZOFF_HOST_MEMORY_BYTES", 0)) or _meminfo_bytes("MemTotal")
+    return int(os.environ.get("ZOFF_HOST_MEMORY_BYTES", 0)) or psutil.virtual_memory().total
 
 
 def host_bytes(trained: int, reduced: int, *, param_bytes: int, second_moment: bool, overlap: bool, accum_bytes: int,
@@ -60,14 +51,14 @@ def check_host_budget(elements: int, ranks_on_node: int, *, param_bytes: int, se
         return ranks_on_node * host_bytes(elements, reduced, **{**options, **change})  # type: ignore[arg-type]
 
     needed = needs()
+    memory = psutil.virtual_memory()
     total = host_memory_total()
-    if total is None:
-        return
     gb = 1e9
     trained = (f"{elements:,} trained elements ({untrained:,} more are frozen or outside the optimizer and keep no"
                " host state)" if untrained else f"{elements:,} elements")
     if needed > total:
-        smaller, together = [], {}
+        smaller: list[str] = []
+        together: dict[str, object] = {}
         if overlap:
             smaller.append(f"overlap=False ({needs(overlap=False) / gb:.1f} GB)")
             together["overlap"] = False
@@ -85,10 +76,9 @@ def check_host_budget(elements: int, ranks_on_node: int, *, param_bytes: int, se
             f" x {trained} x {needed / ranks_on_node / max(elements, 1):.3g} B) but the machine has"
             f" {total / gb:.1f} GB. Options: " + "; ".join(smaller) + "."
         )
-    available = _meminfo_bytes("MemAvailable")
-    if available is not None and needed > available:
-        log.warning("zoff: the optimizer state needs %.1f GB of host memory on this node, more than the %.1f GB free now",
-                    needed / gb, available / gb)
+    if needed > memory.available:
+        log.warning("zoff: the optimizer state needs %.1f GB of host memory on this node, more than the %.1f GB free"
+                    " now", needed / gb, memory.available / gb)
 
 
 def check_unit_budget(layouts: list[UnitLayout], group_of: dict[int, int], ranks_on_node: int, *, second_moment: bool,

@@ -54,7 +54,7 @@ from lightning_zoff.offload.buffers import record_event
 from lightning_zoff.offload.landing import GradientLanding
 from lightning_zoff.offload.fsdp_hooks import UnitHooks, order_after_copy
 from lightning_zoff.offload.layout import unit_layouts
-from lightning_zoff.offload.placement import initial_placement, unit_costs
+from lightning_zoff.offload.placement import first_that_fit, initial_placement, unit_costs
 from lightning_zoff.offload.scheduler import HostScheduler
 from lightning_zoff.offload.unit_state import (
     ParamState, Phase, Placement, TrainedParam, UnitState, UpdateKey, build_unit_state, kernel_runs, param_states,
@@ -332,6 +332,27 @@ class OffloadEngine(GradientLanding):
                 host = placement is Placement.HOST
                 relocate(unit, placement, self._device(placement), spare=self.overlap and host,
                          grad_sum_dtype=self.grad_sum_dtype, pin=self.pin_memory and host)
+
+    def place_more(self, free_bytes: int) -> list[str]:
+        """Move the host's units that come first in the forward order (as the first forward showed it) to the
+        accelerator while their state fits in `free_bytes`; the names moved."""
+        seen, self._seen_forward = self._seen_forward or [], None
+        self.forward_order = seen + [name for name in self.forward_order if name not in seen]
+        on_host = {unit.layout.name for unit in self.units if unit.placement is Placement.HOST and unit.trained}
+        chosen = first_that_fit([self.costs[n] for n in self.forward_order if n in on_host], free_bytes)
+        self.move(chosen, Placement.ACCELERATOR)
+        return chosen
+
+    def placement_summary(self) -> dict[str, tuple[int, int]]:
+        """Per placement ("host", "accelerator"): units with trained parameters, and their state's bytes there."""
+        summary = {p.value: (0, 0) for p in Placement}
+        for unit in self.units:
+            if unit.trained:
+                cost = self.costs[unit.layout.name]
+                size = cost.host_bytes if unit.placement is Placement.HOST else cost.accelerator_bytes
+                count, total = summary[unit.placement.value]
+                summary[unit.placement.value] = (count + 1, total + size)
+        return summary
 
     def fp32_shards(self) -> dict[int, torch.Tensor]:
         """Copies of this rank's fp32 rows of every sharded parameter of the units, by id of the parameter (the master

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_zoff._compat import unit_params
 
@@ -26,7 +28,7 @@ class ParamSlot:
 
     @property
     def local(self) -> torch.Tensor:
-        return self.param.to_local()
+        return cast(DTensor, self.param).to_local()
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ def unit_layout(name: str, module: nn.Module, world_size: int) -> UnitLayout:
             frozen.append(param)
             continue
         padded = padded_shard_numel(param.shape, world_size)
-        numel = param.to_local().numel()
+        numel = cast(DTensor, param).to_local().numel()
         slots.append(ParamSlot(param, offset, numel, padded))
         offset += padded
     return UnitLayout(name, tuple(slots), offset, tuple(frozen))

@@ -21,7 +21,10 @@ import torch
 from lightning_zoff.ops.build import load
 from lightning_zoff.ops.dispatch import available_isas, default_threads, selected_isa
 
-__all__ = ["accumulate", "adam_step", "available_isas", "grad_sumsq_finite", "lion_step", "load", "selected_isa", "stream_probe"]
+__all__ = [
+    "accumulate", "adam_step", "available_isas", "grad_sumsq_finite", "lion_step", "load", "selected_isa",
+    "stream_probe",
+]
 
 
 def adam_step(

@@ -19,7 +19,7 @@ from torch.utils import cpp_extension
 
 # The C++ sources ship inside the package, so an installed wheel builds from its own copy (a checkout's top-level
 # csrc/ is a link to this directory). Path(): the compiler needs files on disk (no zipped installs).
-CSRC = Path(resources.files("lightning_zoff") / "csrc")
+CSRC = Path(str(resources.files("lightning_zoff") / "csrc"))
 _NAME = "zoff_cpu_kernels"
 _SOURCES = ("bindings.cpp", "isa.cpp", "stream_probe.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp")
 # -ffp-contract=off: g++ fuses a*b+c into one FMA by default, which would round differently per ISA; with it off every
@@ -30,8 +30,6 @@ _CFLAGS = ("-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off", "-fno-math-errn
 # the module's NEEDED list (--as-needed; the module held its own copies of the iostream templates), and formatting
 # an integer into an error message then segfaulted inside num_put. With the library named, it is a dependency.
 _LDFLAGS = ("-fopenmp", "-l:libstdc++.so.6")
-# The CPU features the builds depend on; part of the cache key so a cache shared between machines never mixes them.
-_ISA_FLAGS = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"})
 
 _log = logging.getLogger("lightning_zoff")  # one logger for all of zoff (node_log filters it)
 _lock = threading.Lock()
@@ -83,18 +81,10 @@ def _build_key() -> str:
     digest = hashlib.sha256(str(CSRC.resolve()).encode() + b"\0")
     for path in sorted(CSRC.glob("*.[ch]*")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    machine = (platform.machine(), sorted(_cpu_flags() & _ISA_FLAGS))
+    # the CPU's SIMD level too (torch's "AVX512", "AVX2", "DEFAULT", ...), so a cache shared between machines never
+    # mixes them; which kernel build runs is decided at run time by the module itself (csrc/isa.cpp)
+    machine = (platform.machine(), torch.backends.cpu.get_cpu_capability())
     toolchain = (_CFLAGS, _LDFLAGS, os.environ.get("CXX", "c++"), torch.__version__, sys.implementation.cache_tag)
     digest.update(repr((machine, toolchain)).encode())
     return digest.hexdigest()[:16]
 
-
-def _cpu_flags() -> set[str]:
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in cpuinfo.splitlines():
-        if line.startswith(("flags", "Features")):
-            return set(line.partition(":")[2].split())
-    return set()

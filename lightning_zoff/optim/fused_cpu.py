@@ -9,6 +9,7 @@ Under strategy="zoff" the engine runs the same kernels on its host shards.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import overload
 
 import torch
 
@@ -31,6 +32,12 @@ class FusedCpuOptimizer(torch.optim.Optimizer):
             if self.rule is not UpdateRule.LION:
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
         return state
+
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:

@@ -34,7 +34,7 @@ class GroupHyperparams:
     maximize: bool
 
     @staticmethod
-    def of(group: dict) -> "GroupHyperparams":
+    def of(group: dict) -> GroupHyperparams:
         beta1, beta2 = (float(b) for b in group["betas"])
         return GroupHyperparams(
             lr=float(group["lr"]),

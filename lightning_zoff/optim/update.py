@@ -53,7 +53,7 @@ def _torch_update(rule, hp, step, param, grad, exp_avg, exp_avg_sq, grad_scale, 
         moments = [t for t in (exp_avg, exp_avg_sq) if t is not None]
         fp32 = [t.float() for t in moments]
         _torch_update(rule, hp, step, param, grad, fp32[0], fp32[1] if len(fp32) == 2 else None, grad_scale, out)
-        for moment, updated in zip(moments, fp32):
+        for moment, updated in zip(moments, fp32, strict=True):
             moment.copy_(updated)
         return
     g = grad.float() * grad_scale

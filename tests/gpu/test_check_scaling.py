@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import check_scaling
 import pytest
 import torch
+
+import check_scaling
 
 DEVICES = 2
 # Only the reduction differs (bf16 gradients summed over 2 ranks instead of one batch's): at most 0.25% over 20 steps
@@ -16,7 +17,8 @@ MAX_REL_DIFF = 0.01
 def test_two_gpus_follow_one_with_the_same_global_batch():
     summary = check_scaling.compare(devices=DEVICES, steps=20)
     ranks, one = summary["ranks"], summary["one_device"]
-    assert len(ranks) == DEVICES and all(rank["device"].startswith("cuda") for rank in ranks)
+    assert len(ranks) == DEVICES
+    assert all(rank["device"].startswith("cuda") for rank in ranks)
     assert summary["max_rel_diff"] < MAX_REL_DIFF, [round(d, 4) for d in summary["rel_diff"]]
     # FSDP2 splits each parameter by rows: the ranks' shards add up to the whole, half each
     assert sum(rank["memory"]["local_params"] for rank in ranks) == one["memory"]["local_params"]

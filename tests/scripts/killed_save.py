@@ -9,11 +9,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
-import torch.distributed as dist  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-from resume_run import resume_fit  # noqa: E402
+from resume_run import resume_fit
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])

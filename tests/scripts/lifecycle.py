@@ -6,11 +6,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
+import lightning.pytorch as pl
 
-import lightning_zoff  # noqa: E402, F401  (registers "zoff")
-from tiny import TinyModule, token_loader  # noqa: E402
+import lightning_zoff  # noqa: F401  (registers "zoff")
+from tiny import TinyModule, token_loader
 
 
 class Predicting(TinyModule):

@@ -6,10 +6,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
-import lightning.pytorch as pl  # noqa: E402
+import lightning.pytorch as pl
 
-from lightning_zoff import ZoffStrategy  # noqa: E402
-from tiny import TinyModule, token_loader  # noqa: E402
+from lightning_zoff import ZoffStrategy
+from tiny import TinyModule, token_loader
 
 
 class Refused(TinyModule):
