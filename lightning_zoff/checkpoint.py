@@ -20,8 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_zoff.offload import OffloadEngine
-from lightning_zoff.offload.unit_state import ParamState
 from lightning_zoff.offload.layout import padded_shard_numel
+from lightning_zoff.offload.unit_state import ParamState
 from lightning_zoff.pretrained import OnDisk
 from lightning_zoff.sharding import local_chunk, param_names
 
@@ -201,7 +201,7 @@ def _restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str
     if len(saved) != len(optimizer.param_groups):
         raise ValueError(f"the checkpoint has {len(saved)} optimizer param groups, configure_optimizers"
                          f" returned {len(optimizer.param_groups)}")
-    for group, saved_group in zip(optimizer.param_groups, saved):
+    for group, saved_group in zip(optimizer.param_groups, saved, strict=True):
         group.update({k: v for k, v in saved_group.items() if k != "params"})
 
 

@@ -67,7 +67,8 @@ def run_mode(mode: str, steps: int, clip: float, accumulate: int) -> dict:
     engine.wait_idle()
     masters = torch.cat([u.master for u in engine.units])
     return {"losses": record.losses, "outcomes": record.outcomes, "masters": masters,
-            "speculations": dict(engine.scheduler.speculations) if engine.scheduler else {"kept": 0, "redone": 0}, "device": str(trainer.strategy.root_device)}
+            "speculations": dict(engine.scheduler.speculations) if engine.scheduler else {"kept": 0, "redone": 0},
+            "device": str(trainer.strategy.root_device)}
 
 
 def compare(steps: int, clip: float | None = None, accumulate: int = 1) -> dict:

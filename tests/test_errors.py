@@ -165,8 +165,8 @@ def test_a_fine_tune_is_charged_for_its_trained_elements_only(monkeypatch):
 
 
 def test_bf16_moments_with_a_beta_that_cannot_decay_warn():
-    from lightning_zoff.optim.rules import warn_if_bf16_moments_cannot_decay
     from lightning_zoff.optim import UpdateRule
+    from lightning_zoff.optim.rules import warn_if_bf16_moments_cannot_decay
 
     # why: a decay by 0.1% is less than half a bf16 ulp, so rounding to nearest gives the old value back
     v = torch.tensor([1.0, 3.0, 1e-8, 0.7]).to(torch.bfloat16)

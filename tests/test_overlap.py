@@ -48,7 +48,8 @@ class Record(pl.Callback):
         state |= {n: p.to_local().detach().clone() for n, p in pl_module.named_parameters()}
         torch.save({"losses": pl_module.losses, "outcomes": self.outcomes, "state": state,
                     "steps": [p.step for u in engine.units for p in u.trained],
-                    "speculations": dict(engine.scheduler.speculations) if engine.scheduler else None, "scale": trainer.precision_plugin.loss_scale},
+                    "speculations": dict(engine.scheduler.speculations) if engine.scheduler else None,
+                    "scale": trainer.precision_plugin.loss_scale},
                    self.out / f"rank{trainer.global_rank}.pt")
 
 

@@ -7,15 +7,21 @@ import torch
 
 from lightning_zoff.offload.layout import ParamSlot, UnitLayout
 from lightning_zoff.offload.placement import (
-    UnitCost, first_by_fraction, first_that_fit, fewest_for_host, initial_placement, margin_bytes,
-    parse_accelerator_state, unit_costs,
+    UnitCost,
+    fewest_for_host,
+    first_by_fraction,
+    first_that_fit,
+    initial_placement,
+    margin_bytes,
+    parse_accelerator_state,
+    unit_costs,
 )
 
 COSTS = [UnitCost("embed", 10, 100, 200), UnitCost("h.0", 20, 200, 400), UnitCost("h.1", 30, 300, 600),
          UnitCost("head", 40, 400, 800)]
 
 
-@pytest.mark.parametrize("value,parsed", [("auto", "auto"), (" AUTO ", "auto"), ("none", "none"), (0, "none"),
+@pytest.mark.parametrize(("value", "parsed"), [("auto", "auto"), (" AUTO ", "auto"), ("none", "none"), (0, "none"),
                                           (0.0, "none"), ("0.5", 0.5), (1, 1.0), (0.25, 0.25)])
 def test_parse_accelerator_state(value, parsed):
     assert parse_accelerator_state(value) == parsed

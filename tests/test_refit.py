@@ -124,7 +124,7 @@ def refit_bf16(rank: int, out: Path) -> None:
     def workers() -> int:
         return sum(t.name == "zoff-host-worker" and t.is_alive() for t in threading.enumerate())
 
-    def gate_hooks(module) -> list[int]:  # forward pre-hooks on each unit: FSDP2's own and, while training, the engine's
+    def gate_hooks(module) -> list[int]:  # forward pre-hooks per unit: FSDP2's own and, while training, the engine's
         return [len(m._forward_pre_hooks) for m in module.modules() if isinstance(m, FSDPModule)]
 
     class Training(pl.Callback):  # what a fit looks like while it trains

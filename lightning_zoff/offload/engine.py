@@ -14,8 +14,8 @@
    host `grad_sum` when the window has more micro-batches (a window of one leaves it in `grad_staging`, which the
    kernel reads directly: promoting 16 to 32 bits is exact, so both give the same bits; with
    `accumulate_grad_batches=1` no `grad_sum` is allocated at all). At the window's end, take
-   the unit's sum of squares and, with `overlap`, queue a speculative update (`HostScheduler.speculate`): the fused kernel
-   runs on the unit as if the step were neither clipped nor skipped and every parameter had a gradient, writing
+   the unit's sum of squares and, with `overlap`, queue a speculative update (`HostScheduler.speculate`): the fused
+   kernel runs on the unit as if the step were neither clipped nor skipped and every parameter had a gradient, writing
    the new master and moments into the unit's `spare` buffers and the 16-bit copy into `param_staging`. The
    committed state is never written. Host state exists only for the parameters the optimizer trains (`trained`):
    fp32 master and moments fp32 or bf16 (`moment_dtype`: the kernel computes in fp32 and stores them rounded).
@@ -49,15 +49,23 @@ from torch import nn
 
 from lightning_zoff.offload.accounting import Traffic, describe_memory, memory_report
 from lightning_zoff.offload.budget import check_unit_budget, host_memory_total
-from lightning_zoff.offload.decision import Decision, StepOutcome, decide
 from lightning_zoff.offload.buffers import record_event
-from lightning_zoff.offload.landing import GradientLanding
+from lightning_zoff.offload.decision import Decision, StepOutcome, decide
 from lightning_zoff.offload.fsdp_hooks import UnitHooks, order_after_copy
+from lightning_zoff.offload.landing import GradientLanding
 from lightning_zoff.offload.layout import unit_layouts
 from lightning_zoff.offload.placement import first_that_fit, initial_placement, unit_costs
 from lightning_zoff.offload.scheduler import HostScheduler
 from lightning_zoff.offload.unit_state import (
-    ParamState, Phase, Placement, TrainedParam, UnitState, UpdateKey, build_unit_state, kernel_runs, param_states,
+    ParamState,
+    Phase,
+    Placement,
+    TrainedParam,
+    UnitState,
+    UpdateKey,
+    build_unit_state,
+    kernel_runs,
+    param_states,
     relocate,
 )
 from lightning_zoff.optim.rules import GroupHyperparams, UpdateRule, update_rule_for, warn_if_bf16_moments_cannot_decay
@@ -127,8 +135,8 @@ class OffloadEngine(GradientLanding):
         placements = [Placement.ACCELERATOR if state_device.type != "cpu" or layout.name in on_accelerator
                       else Placement.HOST for layout, _ in layouts]
         if Placement.HOST in placements:
-            check_unit_budget([layout for (layout, _), where in zip(layouts, placements) if where is Placement.HOST],
-                              group_of, ranks_on_node,
+            on_host = [layout for (layout, _), at in zip(layouts, placements, strict=True) if at is Placement.HOST]
+            check_unit_budget(on_host, group_of, ranks_on_node,
                               second_moment=self.rule is not UpdateRule.LION, overlap=self.overlap,
                               accum_bytes=self.grad_sum_dtype.itemsize if self.sums_windows else 0,
                               moment_bytes=moment_dtype.itemsize)
@@ -139,7 +147,7 @@ class OffloadEngine(GradientLanding):
                              moments=1 if self.rule is UpdateRule.LION else 2, moment_dtype=moment_dtype,
                              spare=self.overlap and where is Placement.HOST, sums_windows=self.sums_windows,
                              grad_sum_dtype=self.grad_sum_dtype, pin=pin_memory and where is Placement.HOST)
-            for (layout, _), where in zip(layouts, placements)
+            for (layout, _), where in zip(layouts, placements, strict=True)
         ]
         self._modules = [module for _, module in layouts]
         on_cuda = self.param_device.type == "cuda"
@@ -158,7 +166,7 @@ class OffloadEngine(GradientLanding):
     def attach(self) -> None:
         """Hook every unit with a parameter that requires a gradient: its reduce (FSDP2 then sums, not averages,
         gradients over ranks) and its forward (`gate`)."""
-        for index, (unit, module) in enumerate(zip(self.units, self._modules)):
+        for index, (unit, module) in enumerate(zip(self.units, self._modules, strict=True)):
             if unit.layout.slots:
                 self._hooks.append(UnitHooks(module, self, index, self.copy_stream))
 
@@ -185,8 +193,9 @@ class OffloadEngine(GradientLanding):
         if self.scheduler is not None:
             self.scheduler.decided()
         if not decision.skipped:  # counted here, so each step reports its own copies even when they end during the next
-            self.traffic.add(h2d_bytes=sum(p.slot.local.nbytes for unit in units if unit.placement is Placement.HOST
-                                           for p, is_used in zip(unit.trained, decision.used[unit]) if is_used))
+            host_units = [unit for unit in units if unit.placement is Placement.HOST]
+            self.traffic.add(h2d_bytes=sum(p.slot.local.nbytes for unit in host_units
+                                           for p, used in zip(unit.trained, decision.used[unit], strict=True) if used))
         order = self._landed_order[::-1] + [u for u in units if u not in self._landed_order]
         for unit in order:  # the next forward needs them about in the reverse of backward's order
             unit.phase = Phase.FINALIZING
@@ -234,7 +243,7 @@ class OffloadEngine(GradientLanding):
         grad, state = unit.window_grad, unit.state
         assert grad is not None
         start = time.perf_counter()
-        for run, hyper in zip(key.runs, key.hyper):
+        for run, hyper in zip(key.runs, key.hyper, strict=True):
             s, e, g = run.state_start, run.state_start + run.numel, slice(run.grad_start, run.grad_start + run.numel)
             into = None if unit.spare is None else tuple(t[s:e] for t in unit.spare)
             update(self.rule, hyper, run.step, state[0][s:e], grad[g], state[1][s:e],
@@ -245,14 +254,15 @@ class OffloadEngine(GradientLanding):
 
     def _commit(self, unit: UnitState, used: list[bool]) -> None:
         """Make the update the state, then send the updated 16-bit shards to the accelerator."""
-        updated = [p for p, is_used in zip(unit.trained, used) if is_used]
+        updated = [p for p, is_used in zip(unit.trained, used, strict=True) if is_used]
         for param in updated:
             param.step += 1
         if unit.spare is not None:
-            for param, is_used in zip(unit.trained, used):  # what this update did not write keeps its value
+            # what this update did not write keeps its value
+            for param, is_used in zip(unit.trained, used, strict=True):
                 if not is_used:
                     s, e = param.state_offset, param.state_offset + param.slot.padded_numel
-                    for new, old in zip(unit.spare, unit.state):
+                    for new, old in zip(unit.spare, unit.state, strict=True):
                         new[s:e].copy_(old[s:e])
             unit.swap_spare()
         self._send(unit, updated, non_blocking=True)

@@ -45,7 +45,7 @@ class GradientLanding:
                 f"zoff: unit {unit.layout.name!r} has {len(used)} parameters that require a gradient, {len(unit.used)}"
                 " when fit started. Set requires_grad before trainer.fit; zoff fixes what it trains for each fit."
             )
-        unit.used = [a or b for a, b in zip(unit.used, used)]
+        unit.used = [a or b for a, b in zip(unit.used, used, strict=True)]
 
     def on_unit_reduced(self, index: int, flat_grad: torch.Tensor) -> None:
         # Runs inside FSDP2's backward, on the copy stream; FSDP2's later use of `flat_grad` is on this stream too.

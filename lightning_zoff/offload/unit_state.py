@@ -61,7 +61,7 @@ class Run:
 def kernel_runs(trained: list[TrainedParam], used: list[bool]) -> tuple[Run, ...]:
     """The fewest kernel calls that update exactly the trained parameters flagged in `used`."""
     runs: list[Run] = []
-    for param, is_used in zip(trained, used):
+    for param, is_used in zip(trained, used, strict=True):
         if not is_used:
             continue
         last = runs[-1] if runs else None
@@ -114,7 +114,7 @@ class UnitState:
 
     @property
     def moments(self) -> dict[str, torch.Tensor]:
-        return dict(zip(("exp_avg", "exp_avg_sq"), self.state[1:]))
+        return dict(zip(("exp_avg", "exp_avg_sq"), self.state[1:], strict=False))
 
     @property
     def device(self) -> torch.device:
@@ -192,7 +192,8 @@ def build_unit_state(
 def relocate(unit: UnitState, placement: Placement, device: torch.device, *, spare: bool, grad_sum_dtype: torch.dtype,
              pin: bool) -> None:
     """Move the unit's state to `device` (exact copies) and make its buffers there. Between windows only."""
-    assert unit.phase is Phase.EMPTY and unit.speculation is None
+    assert unit.phase is Phase.EMPTY
+    assert unit.speculation is None
     param_dtype = unit.grad_staging.dtype
     unit.state = [t.to(device, copy=True) for t in unit.state]  # pageable, as built: only the copies' buffers pin
     unit.placement = placement

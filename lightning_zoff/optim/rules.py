@@ -72,7 +72,8 @@ def warn_if_bf16_moments_cannot_decay(rule: UpdateRule, optimizer: torch.optim.O
     # Rounding to nearest gives a bf16 moment back unchanged unless the step moves it by half a bf16 ulp, 2^-9 to 2^-8
     # of its value. Decaying, a step moves it by at most (1 - beta) of its value: with 1 - beta below 2^-8 the decay
     # can round away, below 2^-9 (beta2 = 0.999) it always does, and the moment only ever grows.
-    decays = [("beta2", 1, "exp_avg")] if rule is UpdateRule.LION else [("beta1", 0, "exp_avg"), ("beta2", 1, "exp_avg_sq")]
+    decays = ([("beta2", 1, "exp_avg")] if rule is UpdateRule.LION
+              else [("beta1", 0, "exp_avg"), ("beta2", 1, "exp_avg_sq")])
     slow = sorted({f"{name}={float(group['betas'][i]):g} ({moment})" for group in optimizer.param_groups
                    for name, i, moment in decays if 1 - float(group["betas"][i]) < 2**-8})
     if slow:
