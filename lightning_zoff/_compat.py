@@ -22,12 +22,66 @@ from torch import nn
 
 __all__ = [
     "MultiProcessingLauncher", "SubprocessScriptLauncher", "WorkerOutput", "all_gather_streams", "before_reduce",
-    "distributed_is_initialized", "fsdp_param_group", "fused_adam_step", "hf_init_weights", "init_dist_connection",
-    "restore_post_backward", "sync_ddp_if_available", "unit_params",
+    "checkpoint_activations_of", "dcp_data_extents", "direct_tensors", "distributed_is_initialized",
+    "fsdp_param_group", "fused_adam_step", "hf_init_weights", "init_dist_connection", "launcher_strategy",
+    "replace_direct_tensor", "restore_post_backward", "set_strategy_launcher", "set_strategy_precision_plugin",
+    "strategy_precision_plugin", "sync_ddp_if_available", "unit_params",
 ]
 
 
+# -- Lightning ----------------------------------------------------------------------------------------------------
+
+def strategy_precision_plugin(strategy: Any) -> Any:
+    """The precision plugin set on `strategy`, None while none is (Lightning's `precision_plugin` property would
+    answer a default `Precision()` instead, where zoff needs its own)."""
+    return strategy._precision_plugin
+
+
+def set_strategy_precision_plugin(strategy: Any, plugin: Any) -> None:
+    """Store `plugin` where Lightning's `Strategy.precision_plugin` reads it (zoff's property overrides that one)."""
+    strategy._precision_plugin = plugin
+
+
+def set_strategy_launcher(strategy: Any, launcher: Any) -> None:
+    """Store `launcher` where Lightning's `Strategy.launcher` reads it: a strategy's `_configure_launcher` does so."""
+    strategy._launcher = launcher
+
+
+def launcher_strategy(launcher: Any) -> Any:
+    """The strategy a Lightning multiprocessing launcher was built for."""
+    return launcher._strategy
+
+
 # -- torch ------------------------------------------------------------------------------------------------------
+
+def direct_tensors(module: nn.Module) -> list[tuple[str, str, torch.Tensor]]:
+    """`(kind, name, tensor)` of each parameter (kind "param") and buffer ("buffer") `module` itself holds, not its
+    children's."""
+    params = [("param", n, p) for n, p in module._parameters.items() if p is not None]
+    return params + [("buffer", n, b) for n, b in module._buffers.items() if b is not None]
+
+
+def replace_direct_tensor(module: nn.Module, kind: str, name: str, tensor: torch.Tensor) -> None:
+    """Put `tensor` in the place of `module`'s own parameter or buffer `name` (`kind` as `direct_tensors` says), as
+    it is: a buffer stays persistent or not, and no attribute logic of the module's class runs."""
+    (module._parameters if kind == "param" else module._buffers)[name] = tensor  # type: ignore[assignment]
+
+
+def checkpoint_activations_of(module: nn.Module) -> None:
+    """torch's composable activation checkpointing on `module`: hooks on the module itself, no wrapper."""
+    from torch.distributed._composable import checkpoint  # imported on use, as only that option needs it
+
+    checkpoint(module)
+
+
+def dcp_data_extents(metadata: Any) -> dict[str, int]:
+    """For each data file of a torch.distributed.checkpoint directory, how many bytes its index (`metadata`, as
+    `FileSystemReader.read_metadata` returns it) needs it to hold."""
+    needed: dict[str, int] = {}
+    for item in getattr(metadata, "storage_data", {}).values():
+        needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+    return needed
+
 
 def fused_adam_step(decoupled: bool) -> Callable[..., None]:
     """torch's fused multi-tensor Adam (`decoupled`: AdamW) kernel, the one `torch.optim.AdamW(fused=True)` runs."""

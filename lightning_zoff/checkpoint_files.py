@@ -22,6 +22,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
+from lightning_zoff._compat import dcp_data_extents
+
 FORMAT_VERSION = 1
 META_FILE = "meta.pt"
 
@@ -190,10 +192,7 @@ def check_complete(path: Path) -> None:
         metadata = FileSystemReader(path).read_metadata()
     except Exception as err:
         raise CheckpointError(f"{path / '.metadata'}: cannot be read ({err}); the checkpoint is incomplete") from err
-    needed: dict[str, int] = {}
-    for item in getattr(metadata, "storage_data", {}).values():
-        needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
-    for name, size in sorted(needed.items()):
+    for name, size in sorted(dcp_data_extents(metadata).items()):
         file = path / name
         if not file.exists():
             raise CheckpointError(f"{file}: missing; the checkpoint's index names it")

@@ -45,6 +45,21 @@ def apply_layout(layout: CpuLayout) -> None:
     torch.set_num_threads(layout.torch_threads)
 
 
+def bind_rank(layout: CpuLayout, device_type: str, offload: bool) -> str:
+    """Apply `layout` where it helps, and say what was done (for the log)."""
+    if device_type == "cuda" and offload:
+        # each rank of the node on its own cores, torch's pool shrunk to what the kernels leave (on CPU
+        # machines torch's threads do the training itself, so they keep the process's cores)
+        apply_layout(layout)
+        return "bound to these cores"
+    if device_type == "cuda":
+        return "not bound to these cores: the optimizer runs on the accelerator (offload=False)"
+    import torch
+
+    return (f"not bound to these cores: the model trains on the CPU, so zoff leaves the process's cores and torch's"
+            f" threads ({torch.get_num_threads()} now) as they are; this share sizes only the optimizer's threads")
+
+
 def _ranges(cores: Sequence[int]) -> str:
     parts, start = [], None
     for i, core in enumerate(cores):

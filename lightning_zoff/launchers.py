@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING, Any
 import psutil
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+from typing_extensions import override
 
-from lightning_zoff._compat import MultiProcessingLauncher, SubprocessScriptLauncher, WorkerOutput
+from lightning_zoff._compat import MultiProcessingLauncher, SubprocessScriptLauncher, WorkerOutput, launcher_strategy
 from lightning_zoff.sharding import param_names
 
 if TYPE_CHECKING:  # the strategy imports this module
-    from lightning_zoff.strategy import ZoffStrategy
+    pass
 
 # Set on the main process's LightningModule after a fit whose trained weights stayed in the ranks: it still holds
 # the weights it had before that fit. Loading weights into it clears the mark.
@@ -41,6 +42,7 @@ class RankTraceback(Exception):
 class ZoffSubprocessScriptLauncher(SubprocessScriptLauncher):
     """Lightning's default launcher (re-runs the command per rank), checking first what can be checked here."""
 
+    @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         _check_supported(trainer)
         try:
@@ -62,8 +64,7 @@ class ZoffSubprocessScriptLauncher(SubprocessScriptLauncher):
 
 
 class ZoffMultiProcessingLauncher(MultiProcessingLauncher):
-    _strategy: ZoffStrategy  # the base class's, typed as the one strategy that uses this launcher
-
+    @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         _check_supported(trainer)
         if trainer is not None:
@@ -98,10 +99,12 @@ class ZoffMultiProcessingLauncher(MultiProcessingLauncher):
         if procs:
             self._peak_rss = _PeakRss([p.pid for p in procs])
 
+    @override
     def __getstate__(self) -> dict:
         # spawn pickles the launcher into every rank: not the previous run's processes or its watching thread
         return {**super().__getstate__(), "_procs": [], "_peak_rss": None}
 
+    @override
     def _wrapping_function(self, process_idx: int, *args: Any) -> None:
         try:
             super()._wrapping_function(process_idx, *args)
@@ -110,7 +113,8 @@ class ZoffMultiProcessingLauncher(MultiProcessingLauncher):
             raise
 
     def _global_rank(self, process_idx: int) -> int:
-        return self._strategy.node_rank * self._strategy.num_processes + process_idx
+        strategy = launcher_strategy(self)
+        return strategy.node_rank * strategy.num_processes + process_idx
 
     def _killed_message(self, err: ProcessExitedException) -> str:
         peaks = self._peak_rss.peaks if self._peak_rss is not None else {}
@@ -128,23 +132,26 @@ class ZoffMultiProcessingLauncher(MultiProcessingLauncher):
             " node or more nodes (README: 'What fits')."
         )
 
+    @override
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> WorkerOutput | None:
         # Lightning pickles `lightning_module.state_dict()`: sharded DTensors the main process cannot load. Asked for
         # the weights, we gather the fp32 masters instead (a collective: every rank runs it and holds them all).
-        fitted = trainer.state.fn == TrainerFn.FITTING and self._strategy.engine is not None
-        state_dict = self._strategy.full_state_dict() if fitted and self._strategy.weights_to_main_process else None
-        if self._strategy.local_rank != 0:
+        strategy = launcher_strategy(self)
+        fitted = trainer.state.fn == TrainerFn.FITTING and strategy.engine is not None
+        state_dict = strategy.full_state_dict() if fitted and strategy.weights_to_main_process else None
+        if strategy.local_rank != 0:
             return None
         weights_path = None
         if state_dict is not None:
             weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
-            self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
+            strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
         callback = trainer.checkpoint_callback
         best_model_path = getattr(callback, "best_model_path", None) if callback else None
         return WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
 
+    @override
     def _recover_results_in_main_process(self, worker_output: WorkerOutput, trainer: Any) -> None:
-        module = trainer.lightning_module
+        module, strategy = trainer.lightning_module, launcher_strategy(self)
         kept = trainer.state.fn == TrainerFn.FITTING and worker_output.weights_path is None
         if kept and not getattr(module, _WEIGHTS_IN_RANKS, False):
             setattr(module, _WEIGHTS_IN_RANKS, True)
@@ -152,13 +159,13 @@ class ZoffMultiProcessingLauncher(MultiProcessingLauncher):
         # A model built on the meta device (empty_init=True) has no memory to copy the weights into: give it theirs.
         if worker_output.weights_path is not None and any(p.is_meta for p in module.parameters()):
             tied = [names for names in param_names(module).values() if len(names) > 1]
-            state = self._strategy.checkpoint_io.load_checkpoint(worker_output.weights_path)
+            state = strategy.checkpoint_io.load_checkpoint(worker_output.weights_path)
             module.load_state_dict(state, strict=False, assign=True)
             for first, *others in tied:  # assign gave each name a parameter of its own: one again, as built
                 for name in others:
                     owner, _, attr = name.rpartition(".")
                     setattr(module.get_submodule(owner), attr, module.get_parameter(first))
-            self._strategy.checkpoint_io.remove_checkpoint(worker_output.weights_path)
+            strategy.checkpoint_io.remove_checkpoint(worker_output.weights_path)
             worker_output = worker_output._replace(weights_path=None)  # loaded: the base class must not again
         super()._recover_results_in_main_process(worker_output, trainer)
 
@@ -218,6 +225,7 @@ class _PeakRss(threading.Thread):
         self.peaks = dict.fromkeys(pids, 0)
         self.start()
 
+    @override
     def run(self) -> None:
         while any([self._read(pid) for pid in self.peaks]):  # noqa: C419  a list: read every process, not up to the first
             time.sleep(0.1)

@@ -7,6 +7,7 @@ import logging
 import warnings
 
 import torch.distributed as dist
+from typing_extensions import override
 
 from lightning_zoff.cpus import _ranges
 
@@ -16,6 +17,7 @@ log = logging.getLogger("lightning_zoff")  # every zoff module logs through this
 class _FirstRankOfNode(logging.Filter):
     local_rank = 0
 
+    @override
     def filter(self, record: logging.LogRecord) -> bool:
         return self.local_rank == 0 or record.levelno <= logging.DEBUG
 

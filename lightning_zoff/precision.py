@@ -16,6 +16,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from typing_extensions import override
 
 from lightning_zoff.loss_scale import DynamicLossScaler
 
@@ -55,29 +56,35 @@ class ZoffPrecision(Precision):
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
 
+    @override
     def forward_context(self) -> AbstractContextManager:
         if self.precision.endswith("-mixed"):
             return torch.autocast(self.device_type, dtype=self.param_dtype)
         return nullcontext()
 
+    @override
     def convert_input(self, data: Any) -> Any:
         if not self.precision.endswith("-true") or self.param_dtype == torch.float32:
             return data
         dtype = self.param_dtype
         return apply_to_collection(data, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
+    @override
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
         tensor = super().pre_backward(tensor, module)
         # the engine divides by the same scale inside the kernel's combined scale
         return tensor * self.scaler.scale if self.scaler is not None else tensor
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {"loss_scaler": self.scaler.state_dict()} if self.scaler is not None else {}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and "loss_scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["loss_scaler"])
 
+    @override
     def clip_gradients(
         self,
         optimizer: Optimizable,

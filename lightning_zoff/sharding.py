@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from lightning_zoff._compat import hf_init_weights
+from lightning_zoff._compat import checkpoint_activations_of, direct_tensors, hf_init_weights, replace_direct_tensor
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -209,7 +209,7 @@ def materialize(root: nn.Module, init_fn: ParamInitFn) -> None:
         return
     replaced: dict[int, torch.Tensor] = {}
     for module in modules:
-        for kind, name, tensor in _direct_named_tensors(module):
+        for kind, name, tensor in direct_tensors(module):
             if not tensor.is_meta:
                 continue
             if id(tensor) not in replaced:
@@ -217,10 +217,7 @@ def materialize(root: nn.Module, init_fn: ParamInitFn) -> None:
                 if real.is_floating_point():
                     real.fill_(float("nan"))
                 replaced[id(tensor)] = nn.Parameter(real, tensor.requires_grad) if kind == "param" else real
-            if kind == "param":
-                module._parameters[name] = cast(nn.Parameter, replaced[id(tensor)])
-            else:
-                module._buffers[name] = replaced[id(tensor)]
+            replace_direct_tensor(module, kind, name, replaced[id(tensor)])
     with torch.no_grad():
         for module in modules:
             init_fn(module)
@@ -234,13 +231,8 @@ def materialize(root: nn.Module, init_fn: ParamInitFn) -> None:
             )
 
 
-def _direct_named_tensors(module: nn.Module) -> list[tuple[str, str, torch.Tensor]]:
-    params = [("param", n, p) for n, p in module._parameters.items() if p is not None]
-    return params + [("buffer", n, b) for n, b in module._buffers.items() if b is not None]
-
-
 def _direct_tensors(module: nn.Module) -> list[torch.Tensor]:
-    return [t for _, _, t in _direct_named_tensors(module)]
+    return [t for _, _, t in direct_tensors(module)]
 
 
 def checkpoint_activations(model: nn.Module, classes: Iterable[type[nn.Module]]) -> None:
@@ -249,14 +241,12 @@ def checkpoint_activations(model: nn.Module, classes: Iterable[type[nn.Module]])
     classes = tuple(classes)
     if not classes:
         return
-    from torch.distributed._composable import checkpoint
-
     targets = [m for m in model.modules() if isinstance(m, classes)]
     if not targets:
         raise ValueError(f"activation_checkpointing_policy={sorted(c.__name__ for c in classes)} matches no module of"
                          f" {type(model).__name__}; name classes the model uses (for a transformer, its block).")
     for module in targets:
-        checkpoint(module)
+        checkpoint_activations_of(module)
 
 
 def is_sharded(model: nn.Module) -> bool:

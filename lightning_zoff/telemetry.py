@@ -6,6 +6,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -61,3 +62,24 @@ class StepTimer:
         if isinstance(timing, tuple):
             return timing[0].elapsed_time(timing[1]) / 1000.0
         return timing
+
+
+def step_metrics(times: dict[str, float] | None, traffic: Any, grad_norm: float, skipped: bool,
+                 loss_scale: float) -> dict[str, float]:
+    """What zoff logs for an optimizer step: the phase times of a window (`StepTimer.end_window`, None while not known
+    yet, its `gate_wait` among them) and the engine's `traffic` since the last step."""
+    metrics = {}
+    if times is not None:
+        # forwards that waited for an overlapped update: that wait is exposed optimizer time, not forward time
+        gate_wait = times.pop("gate_wait")
+        times["forward"] = times.get("forward", 0.0) - gate_wait
+        times["exposed_optimizer"] = times.get("exposed_optimizer", 0.0) + gate_wait
+        metrics = {f"zoff/{phase}_s": seconds for phase, seconds in times.items()}
+    return metrics | {
+        # cpu_update_s: update kernels that finished since the last step (overlapped ones may end a step late)
+        "zoff/cpu_update_s": traffic.cpu_update_s, "zoff/d2h_gb": traffic.d2h_bytes / 1e9,
+        "zoff/h2d_gb": traffic.h2d_bytes / 1e9, "zoff/grad_norm": grad_norm,
+        "zoff/skipped": float(skipped), "zoff/loss_scale": loss_scale,
+        "zoff/speculations_kept": float(traffic.speculations_kept),
+        "zoff/speculations_redone": float(traffic.speculations_redone),
+    }

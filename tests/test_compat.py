@@ -136,3 +136,84 @@ def test_hf_init_weights_is_the_models_own_init():
     torch.nn.init.zeros_(layer.weight)
     _compat.hf_init_weights(model, layer)
     assert 0.3 < layer.weight.std().item() < 0.7  # normal(0, initializer_range), not left at zero
+
+
+def test_strategy_slots_that_lightning_reads():
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    strategy = SingleDeviceStrategy("cpu")
+    assert _compat.strategy_precision_plugin(strategy) is None  # none set (Lightning's property makes up a default)
+    plugin = Precision()
+    _compat.set_strategy_precision_plugin(strategy, plugin)
+    assert strategy.precision_plugin is plugin
+    assert _compat.strategy_precision_plugin(strategy) is plugin
+    launcher = _compat.MultiProcessingLauncher(strategy, start_method="fork")
+    _compat.set_strategy_launcher(strategy, launcher)
+    assert strategy.launcher is launcher  # Lightning's own property reads it
+    assert _compat.launcher_strategy(launcher) is strategy
+
+
+def test_the_trainer_takes_zoffs_launcher_and_precision():
+    import lightning.pytorch as pl
+
+    from lightning_zoff import ZoffPrecision, ZoffStrategy
+    from lightning_zoff.launchers import ZoffMultiProcessingLauncher
+
+    # Lightning calls the strategy's `_configure_launcher` (zoff overrides it) and sets its precision plugin
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ZoffStrategy(start_method="fork"), logger=False,
+                         precision="bf16-mixed")
+    assert isinstance(trainer.strategy.launcher, ZoffMultiProcessingLauncher)
+    assert isinstance(_compat.strategy_precision_plugin(trainer.strategy), ZoffPrecision)
+    assert trainer.strategy.precision_plugin.precision == "bf16-mixed"
+
+
+def test_direct_tensors_are_a_modules_own_and_replace_in_place():
+    norm = nn.BatchNorm1d(3)
+    norm.register_buffer("scratch", torch.zeros(3), persistent=False)
+    assert _compat.direct_tensors(nn.Sequential(norm)) == []  # its child's, not its own
+    assert [(kind, name) for kind, name, _ in _compat.direct_tensors(norm)] == [
+        ("param", "weight"), ("param", "bias"), ("buffer", "running_mean"), ("buffer", "running_var"),
+        ("buffer", "num_batches_tracked"), ("buffer", "scratch")]
+    weight, scratch = nn.Parameter(torch.full((3,), 2.0)), torch.ones(3)
+    _compat.replace_direct_tensor(norm, "param", "weight", weight)
+    _compat.replace_direct_tensor(norm, "buffer", "scratch", scratch)
+    assert norm.weight is weight
+    assert dict(norm.named_parameters())["weight"] is weight
+    assert norm.scratch is scratch
+    assert "scratch" not in norm.state_dict()  # still not persistent
+
+
+class CountingLinear(nn.Linear):
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.tanh(super().forward(x))
+
+
+def test_checkpoint_activations_of_recomputes_the_forward_in_backward():
+    torch.manual_seed(0)
+    checkpointed, plain = CountingLinear(4, 4), CountingLinear(4, 4)
+    plain.load_state_dict(checkpointed.state_dict())
+    _compat.checkpoint_activations_of(checkpointed)
+    x = torch.randn(2, 4)
+    checkpointed(x).sum().backward()
+    plain(x).sum().backward()
+    assert (checkpointed.calls, plain.calls) == (2, 1)  # run again in backward, for the activations it dropped
+    torch.testing.assert_close(checkpointed.weight.grad, plain.weight.grad)
+    assert [name for name, _ in checkpointed.named_parameters()] == ["weight", "bias"]  # no wrapper
+
+
+def test_dcp_data_extents_are_the_files_dcp_wrote(tmp_path):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process, no group, on purpose
+        warnings.simplefilter("ignore")
+        dcp.save({"a": torch.randn(16), "b": torch.randn(4, 4)}, checkpoint_id=tmp_path)
+    extents = _compat.dcp_data_extents(dcp.FileSystemReader(tmp_path).read_metadata())
+    assert sum(extents.values()) >= 2 * 16 * 4, extents  # both tensors' bytes, in files the index names
+    for name, size in extents.items():
+        assert 0 < size <= (tmp_path / name).stat().st_size

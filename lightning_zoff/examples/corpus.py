@@ -11,6 +11,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
 
 
 def stdlib_bytes(max_bytes: int = 8_000_000) -> bytes:
@@ -45,6 +46,7 @@ class ByteWindows(Dataset):
         # every window needs one extra token for its last target
         return (len(self.tokens) - 1) // self.block_size
 
+    @override
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = i * self.block_size
         chunk = self.tokens[start : start + self.block_size + 1].long()
@@ -76,15 +78,19 @@ class _WindowsDataModule(pl.LightningDataModule):
             num_workers=self.num_workers,
         )
 
+    @override
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, shuffle=True)
 
+    @override
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set)
 
+    @override
     def test_dataloader(self) -> DataLoader:
         return self._loader(self.test_set)
 
+    @override
     def predict_dataloader(self) -> DataLoader:
         # Lightning does not pad the predict split across ranks; uneven batch counts would leave a
         # sharded model's ranks waiting on each other's collectives, so trim to a multiple of the world.
@@ -111,6 +117,7 @@ class CorpusDataModule(_WindowsDataModule):
         self.val_fraction = val_fraction
         self.vocab_size = 256
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         tokens = torch.frombuffer(bytearray(stdlib_bytes(self.max_bytes)), dtype=torch.uint8)
         n_val = max(int(len(tokens) * self.val_fraction), self.block_size + 1)
@@ -143,6 +150,7 @@ class SyntheticDataModule(_WindowsDataModule):
         tokens = torch.randint(self.vocab_size, (num_windows * self.block_size + 1,), generator=generator)
         return ByteWindows(tokens, self.block_size)
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         n_eval = max(self.num_samples // 100, 1)
         self.train_set = self._windows(self.num_samples, self.seed)

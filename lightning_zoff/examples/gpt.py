@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from typing_extensions import override
 
 from lightning_zoff.sharding import keep_gathered
 
@@ -61,6 +62,7 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
+    @override
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
@@ -83,6 +85,7 @@ class MLP(nn.Module):
         self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.proj(F.gelu(self.fc(x))))
 
@@ -97,6 +100,7 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
+    @override
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), cache)
         return x + self.mlp(self.ln_2(x))
@@ -133,6 +137,7 @@ class GPT(nn.Module):
         # parameters() yields a tied weight once, so it is counted once
         return sum(p.numel() for p in self.parameters())
 
+    @override
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, caches: list[KVCache] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -244,30 +249,36 @@ class GPTModule(pl.LightningModule):
         (`trainer.init_module(empty_init=True)`), where torch's defaults would otherwise apply."""
         GPT._init_weights(module)
 
+    @override
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         return self.model(idx, targets)
 
+    @override
     def training_step(self, batch, batch_idx):
         x, y = batch
         _, loss = self.model(x, y)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
+    @override
     def validation_step(self, batch, batch_idx):
         x, y = batch
         _, loss = self.model(x, y)
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
 
+    @override
     def test_step(self, batch, batch_idx):
         x, y = batch
         _, loss = self.model(x, y)
         self.log("test_loss", loss, sync_dist=True)
 
+    @override
     def predict_step(self, batch, batch_idx):
         """The most likely next token after every position: (B, T) ids."""
         logits, _ = self.model(batch[0])
         return logits.argmax(dim=-1)
 
+    @override
     def configure_optimizers(self):
         # Runs after the strategy has sharded the model, so look parameters up now, not in __init__.
         optimizer = self.optimizer_factory(decay_groups(self))

@@ -29,6 +29,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from typing_extensions import override
 
 from lightning_zoff.examples.gpt import OptimizerFactory, decay_groups, draw_token, token_bytes
 from lightning_zoff.sharding import keep_gathered
@@ -106,6 +107,7 @@ class HFCausalLM(pl.LightningModule):
         self.model = AutoModelForCausalLM.from_config(hf_config(model, config), attn_implementation=attn_implementation)
         self.block_size = block_size or self.model.config.max_position_embeddings
 
+    @override
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=idx, use_cache=False).logits
 
@@ -114,17 +116,21 @@ class HFCausalLM(pl.LightningModule):
         # float32 so that bf16 logits do not round the log-softmax
         return F.cross_entropy(self(x).float().flatten(0, 1), y.flatten())
 
+    @override
     def training_step(self, batch, batch_idx):
         loss = self.loss(batch)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
+    @override
     def validation_step(self, batch, batch_idx):
         self.log("val_loss", self.loss(batch), prog_bar=True, sync_dist=True)
 
+    @override
     def test_step(self, batch, batch_idx):
         self.log("test_loss", self.loss(batch), sync_dist=True)
 
+    @override
     def configure_optimizers(self):
         return self.optimizer_factory(decay_groups(self))
 

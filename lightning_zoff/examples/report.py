@@ -8,6 +8,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from matplotlib.figure import Figure
+from typing_extensions import override
 
 
 class LossHistory(pl.Callback):
@@ -17,11 +18,13 @@ class LossHistory(pl.Callback):
         self.train: list[tuple[int, torch.Tensor]] = []
         self.val: list[tuple[int, float]] = []
 
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.is_global_zero:
             # kept as a tensor: .item() here would synchronize with the GPU every step
             self.train.append((trainer.global_step, outputs["loss"].detach()))
 
+    @override
     def on_validation_end(self, trainer, pl_module):
         if trainer.is_global_zero and not trainer.sanity_checking and "val_loss" in trainer.callback_metrics:
             self.val.append((trainer.global_step, trainer.callback_metrics["val_loss"].item()))
@@ -50,6 +53,7 @@ class StepBreakdown(pl.Callback):
         self.steps: list[dict[str, float]] = []
         self._last_step = 0
 
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         # inside an accumulation window the global step stands still and nothing new was logged
         if not trainer.is_global_zero or trainer.global_step == self._last_step:

@@ -1,0 +1,83 @@
+"""What ZoffStrategy refuses, each as early as it can be known: its options in the constructor; the Trainer's settings
+and the model in setup (and in the launcher, before any rank starts); a predict dataloader before its first batch."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper
+
+from lightning_zoff._compat import distributed_is_initialized
+
+StartMethod = Literal["subprocess", "fork", "spawn", "forkserver"]
+ACCUM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def check_options(
+    *, start_method: Any, grad_accum_dtype: Any, optimizer_state_dtype: Any, grad_accum_on: Any,
+    state_dict_type: Any, param_init_fn: Any, cpu_threads: Any, **flags: Any,
+) -> None:
+    """Refuse a constructor option zoff cannot run; `flags` are the options that must be true or false."""
+    if start_method not in ("subprocess", "fork", "spawn", "forkserver"):
+        raise ValueError(f"start_method={start_method!r}; choose 'subprocess', 'fork', 'spawn' or 'forkserver'.")
+    # Hydra and YAML pass what the user typed; `offload=no` must not become True by being a non-empty string.
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"ZoffStrategy({name}={value!r}): expected true or false.")
+    if cpu_threads is not None and (isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int)
+                                    or cpu_threads < 1):
+        raise TypeError(f"ZoffStrategy(cpu_threads={cpu_threads!r}): expected a positive integer, or None for the cores"
+                        " this process may use divided by the ranks on its node.")
+    if grad_accum_dtype not in ACCUM_DTYPES:
+        raise ValueError(f"grad_accum_dtype={grad_accum_dtype!r}; choose one of {sorted(ACCUM_DTYPES)}.")
+    if optimizer_state_dtype not in MOMENT_DTYPES:
+        raise ValueError(f"optimizer_state_dtype={optimizer_state_dtype!r}; choose 'fp32' or 'bf16' (the moments"
+                         " in 2 bytes each instead of 4; the master weights stay fp32).")
+    if grad_accum_on not in ("host", "accelerator"):
+        raise ValueError(f"grad_accum_on={grad_accum_on!r}; choose 'host' or 'accelerator'.")
+    if state_dict_type not in ("sharded", "full"):
+        raise ValueError(f"state_dict_type={state_dict_type!r}; choose 'sharded' or 'full'.")
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise TypeError(f"ZoffStrategy(param_init_fn={param_init_fn!r}): expected a callable(module), or None.")
+
+
+def check_supported(trainer: Any, module: Any) -> None:
+    """Refuse what the strategy cannot train: manual optimization, clipping by value."""
+    if not module.automatic_optimization:
+        raise ValueError(
+            "strategy='zoff' supports automatic optimization only: the optimizer step runs inside the"
+            " strategy. Remove `self.automatic_optimization = False` or use another strategy."
+        )
+    if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value":
+        raise ValueError(
+            "strategy='zoff' clips gradients by norm only; use gradient_clip_algorithm='norm' (the default)."
+        )
+
+
+def check_accum_dtype(grad_accum_dtype: str, precision: str, param_dtype: torch.dtype) -> None:
+    # The window's gradient sum lives on the host in fp32, or in the model's own 16-bit dtype (half the bytes,
+    # rounded at every micro-batch); another dtype would round differently from both.
+    valid = sorted({"fp32"} | {name for name, dtype in ACCUM_DTYPES.items() if dtype == param_dtype})
+    if grad_accum_dtype not in valid:
+        raise ValueError(
+            f"grad_accum_dtype={grad_accum_dtype!r} cannot accumulate gradients of a {precision} model; choose one"
+            f" of {valid}."
+        )
+
+
+def check_predict_batches(dataloader: Any, world_size: int) -> None:
+    """A collective: every rank must get as many batches. Lightning's predict sampler does not repeat samples, so
+    ranks can get different batch counts; a sharded forward then waits forever for the rank that ran out."""
+    sampler = getattr(getattr(dataloader, "batch_sampler", None), "sampler", None)
+    if isinstance(sampler, UnrepeatedDistributedSamplerWrapper) and distributed_is_initialized():
+        counts = [None] * world_size
+        dist.all_gather_object(counts, len(dataloader))
+        if len(set(counts)) > 1:
+            raise ValueError(
+                f"zoff: the predict dataloader gives ranks different batch counts {counts}; every rank must"
+                f" run the same number of sharded forwards. Pad the dataset to a multiple of"
+                f" world_size x batch_size ({world_size} x {dataloader.batch_size})."
+            )
