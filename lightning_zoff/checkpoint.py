@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,7 @@ class ParamEntry:
         else a copy of the accelerator's value. `finish_restore` writes what was loaded into a copy back."""
         if self.state.master is not None:
             return _on_host(self.state.master)
-        return self.state.param.to_local().detach().to("cpu", torch.float32, copy=True)
+        return self.state.local.detach().to("cpu", torch.float32, copy=True)
 
     def moments(self) -> dict[str, torch.Tensor]:
         """This rank's moments on the host: views, or copies of those placed on the accelerator."""
@@ -179,7 +179,7 @@ def finish_restore(module: nn.Module, engine: OffloadEngine, weights: dict[str, 
     for _, entry in param_entries(module, engine):
         master = entry.state.master
         if master is None:
-            entry.state.param.to_local().copy_(_local(weights[entry.name]))
+            entry.state.local.copy_(_local(weights[entry.name]))
         elif master.device.type != "cpu":
             master.copy_(_local(weights[entry.name]))
             if optimizer_state is not None:
@@ -223,6 +223,6 @@ def apply_weights(module: nn.Module, targets: dict[str, torch.Tensor], masters: 
     for name, p in module.named_parameters():
         loaded = targets[name]
         local = loaded.to_local() if isinstance(loaded, DTensor) else loaded
-        p.to_local().copy_(local)
+        cast(DTensor, p).to_local().copy_(local)
         if id(p) in masters:
             masters[id(p)].copy_(local)

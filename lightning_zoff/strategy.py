@@ -182,7 +182,7 @@ class ZoffStrategy(CheckpointingStrategy, ProcessGroupStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        module = self.lightning_module
+        module = self._module
         self._check_supported(trainer, module)
         self._check_accum_dtype()
         self.precision_plugin.device_type = self.root_device.type
@@ -192,6 +192,7 @@ class ZoffStrategy(CheckpointingStrategy, ProcessGroupStrategy):
             self._units = plan_units(module, self.wrap_policy)
             checkpoint_activations(module, self.activation_checkpointing_policy)
             mesh = init_device_mesh(self.root_device.type, (self.world_size,))
+            assert self._cpu_layout is not None  # set in setup_environment
             with torch_threads(len(self._cpu_layout.cores)):  # meta init and master copies: no kernels run yet
                 self._masters = shard_model(module, self._units, mesh, self.precision_plugin.param_dtype,
                                             self.param_init_fn)
@@ -240,7 +241,8 @@ class ZoffStrategy(CheckpointingStrategy, ProcessGroupStrategy):
         self._log_memory()
         for config in self.lr_scheduler_configs:
             if config.interval == "step" and not isinstance(config.scheduler, SkipAwareScheduler):
-                config.scheduler = SkipAwareScheduler(config.scheduler, self._last_step_skipped)
+                # steps the wrapped scheduler as Lightning would, minus the skipped steps
+                config.scheduler = SkipAwareScheduler(config.scheduler, self._last_step_skipped)  # type: ignore[assignment]
 
     def _close_engine(self) -> None:
         if self.engine is not None:
@@ -267,7 +269,7 @@ class ZoffStrategy(CheckpointingStrategy, ProcessGroupStrategy):
         times = self._timer.end_window(gate_wait=self.engine.take_gate_wait())
         metrics = step_metrics(times, traffic, self.last_step.grad_norm, self.last_step.skipped, loss_scale)
         self.telemetry = metrics  # the last step's, for callbacks and benchmarks
-        self.lightning_module.log_dict(metrics, on_step=True, on_epoch=False)
+        self._module.log_dict(metrics, on_step=True, on_epoch=False)
 
     def _last_step_skipped(self) -> bool:
         return self.last_step is not None and self.last_step.skipped
@@ -320,7 +322,7 @@ class ZoffStrategy(CheckpointingStrategy, ProcessGroupStrategy):
         self._log_step(precision.loss_scale)
         if self.last_step.skipped:
             log.warning("zoff: non-finite gradient (norm %s) at step %d: step skipped, nothing changed%s",
-                        self.last_step.grad_norm, self.lightning_module.trainer.global_step,
+                        self.last_step.grad_norm, self._module.trainer.global_step,
                         f"; loss scale now {precision.loss_scale:g}" if precision.scaler is not None else "")
         return result
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -38,6 +39,13 @@ class CheckpointingStrategy(ParallelStrategy):
     _masters: dict[int, torch.Tensor]
     _state_mesh: Any
 
+    @property
+    def _module(self) -> pl.LightningModule:
+        """The LightningModule: Lightning connects it before any of these run."""
+        module = self.lightning_module
+        assert module is not None, "zoff: the strategy has no LightningModule yet"
+        return module
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # fp32 masters once the engine exists (views of this rank's rows when sharded); before, the model's shards
@@ -46,11 +54,11 @@ class CheckpointingStrategy(ParallelStrategy):
 
             full = self.state_dict_type == "full"
             options = StateDictOptions(full_state_dict=full, cpu_offload=full)
-            return get_model_state_dict(self.lightning_module, options=options)
+            return get_model_state_dict(self._module, options=options)
         self.engine.wait_idle()
         if self.state_dict_type == "full":
-            return full_state_dict(self.lightning_module, self.engine)
-        return sharded_model_state(self.lightning_module, self.engine, self._mesh())
+            return full_state_dict(self._module, self.engine)
+        return sharded_model_state(self._module, self.engine, self._mesh())
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -60,8 +68,8 @@ class CheckpointingStrategy(ParallelStrategy):
             return super().optimizer_state(optimizer)
         self.engine.wait_idle()
         if self.state_dict_type == "full":
-            return full_optimizer_state(self.lightning_module, self.engine, optimizer)
-        return sharded_optimizer_state(self.lightning_module, self.engine, optimizer, self._mesh())
+            return full_optimizer_state(self._module, self.engine, optimizer)
+        return sharded_optimizer_state(self._module, self.engine, optimizer, self._mesh())
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -87,7 +95,7 @@ class CheckpointingStrategy(ParallelStrategy):
         if self.is_global_zero:
             checkpoint_files.recover(path)
         self.barrier()
-        module = self.lightning_module
+        module = self._module
         checkpoint = checkpoint_files.read(path, weights_only)
         expected = {name: list(t.shape) for name, t in module.state_dict().items()}
         checkpoint_files.check_compatible(checkpoint, path, expected)
@@ -147,12 +155,11 @@ class CheckpointingStrategy(ParallelStrategy):
         if self.engine is None:
             raise RuntimeError("load_full_state_dict needs the sharded model and its optimizer state: call it once"
                                " fit has set up the strategy (for example in `on_fit_start`).")
-        if isinstance(state_dict, (str, Path)):
-            state_dict = read_weights(state_dict)
+        weights: dict[str, Any] = read_weights(state_dict) if isinstance(state_dict, (str, Path)) else state_dict
         self.engine.wait_idle()
-        module = self.lightning_module
+        module = self._module
         targets = sharded_model_state(module, self.engine, self._mesh())
-        state_dict, prefix = to_module_names(state_dict, targets.keys(), module, prefix)
+        state_dict, prefix = to_module_names(weights, targets.keys(), module, prefix)
         missing, unexpected = unmatched_keys(module, targets, state_dict)
         if strict and (missing or unexpected):
             renamed = f", the weights' names prefixed with {prefix!r}" if prefix else ""
@@ -167,4 +174,4 @@ class CheckpointingStrategy(ParallelStrategy):
         """The LightningModule's state dict with fp32 master weights, on every rank (a collective)."""
         assert self.engine is not None
         self.engine.wait_idle()
-        return full_state_dict(self.lightning_module, self.engine)
+        return full_state_dict(self._module, self.engine)

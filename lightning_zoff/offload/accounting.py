@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import threading
+from typing import cast
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from lightning_zoff.offload.unit_state import Placement, UnitState
 
@@ -28,7 +30,7 @@ def memory_report(units: list[UnitState], *, grad_sum_dtype: torch.dtype, accumu
                   sums_windows: bool, retain_device_sum: bool) -> dict[str, float]:
     """Bytes this rank holds, by kind, and per parameter element of its shard (and per trained element: only the
     parameters the optimizer trains have state)."""
-    locals_ = [p.to_local() for u in units for p in [*(s.param for s in u.layout.slots), *u.layout.frozen]]
+    locals_ = [cast(DTensor, p).to_local() for u in units for p in u.layout.params]
     local_numel = sum(t.numel() for t in locals_)
     accel_params = sum(t.numel() * t.element_size() for t in locals_)
     trained_numel = sum(p.slot.numel for u in units for p in u.trained)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import cast
 
 import psutil
+from torch.distributed.tensor import DTensor
 
 from lightning_zoff.offload.layout import UnitLayout
 
@@ -87,7 +89,7 @@ def check_unit_budget(layouts: list[UnitLayout], group_of: dict[int, int], ranks
     trained = [s for layout in layouts for s in layout.slots if id(s.param) in group_of]
     if not trained:
         return
-    untrained = sum(p.to_local().numel() for layout in layouts
+    untrained = sum(cast(DTensor, p).to_local().numel() for layout in layouts
                     for p in [*(s.param for s in layout.slots if id(s.param) not in group_of), *layout.frozen])
     check_host_budget(
         sum(s.padded_numel for s in trained), ranks_on_node, reduced=sum(layout.flat_numel for layout in layouts),

@@ -39,6 +39,7 @@ def decide(units: list[UnitState], optimizer: torch.optim.Optimizer, max_norm: f
     for unit in units:  # in unit order on every path, so the sum has the same bits
         if unit.phase is Phase.SUMMING:
             unit.sumsq = sumsq(unit)
+        assert unit.sumsq is not None  # READY units have theirs
         sq += unit.sumsq
     # with the sum of squares, every trained parameter's "got a gradient here" flag: summed, "on some rank"
     flags = [float(unit.used[p.slot_index]) for unit in units for p in unit.trained]

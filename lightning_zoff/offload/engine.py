@@ -40,6 +40,7 @@ The kernels, their inputs and the order of every sum are the same, so both paths
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Collection, Sequence
 from contextlib import nullcontext
@@ -200,13 +201,14 @@ class OffloadEngine(GradientLanding):
         for unit in order:  # the next forward needs them about in the reverse of backward's order
             unit.phase = Phase.FINALIZING
             if self.scheduler is not None and unit.placement is Placement.HOST:
-                self.scheduler.finalize(lambda unit=unit: self._finalize(unit, decision))
+                self.scheduler.finalize(functools.partial(self._finalize, unit, decision))
         for unit in order:  # the accelerator's units meanwhile, queued on its stream
             if self.scheduler is None or unit.placement is Placement.ACCELERATOR:
                 self._finalize(unit, decision)
         return outcome
 
     def _speculate(self, unit: UnitState) -> None:
+        assert self.scheduler is not None
         scale = 1.0 / (self.world_size * self.loss_scale)
         # as if every parameter had a gradient and nothing is clipped or skipped
         self.scheduler.speculate(unit, lambda: self._key(unit, scale, self._hyper(), [True] * len(unit.trained)),
@@ -367,7 +369,7 @@ class OffloadEngine(GradientLanding):
     def fp32_shards(self) -> dict[int, torch.Tensor]:
         """Copies of this rank's fp32 rows of every sharded parameter of the units, by id of the parameter (the master
         where trained, else the accelerator's value): the `masters` an engine for a later optimizer starts from."""
-        return {id(s.param): (s.param.to_local().detach().to(self.state_device, torch.float32, copy=True)
+        return {id(s.param): (s.local.detach().to(self.state_device, torch.float32, copy=True)
                               if s.master is None else s.master.clone()) for s in self.param_states()}
 
     # -- lifetime -------------------------------------------------------------------------------------------

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from lightning_zoff._compat import all_gather_streams, before_reduce, restore_post_backward
 
@@ -19,7 +20,7 @@ class UnitHooks:
     `engine.on_unit_reduced(unit_index, flat_grad)` and `engine.gate(unit_index)`."""
 
     def __init__(self, module: nn.Module, engine: Any, unit_index: int, copy_stream: torch.cuda.Stream | None) -> None:
-        self.module = module
+        self.module = cast(FSDPModule, module)  # a unit: fully_shard made it one
         ref = weakref.ref(engine)
 
         def call(method: str) -> Callable[..., None]:
@@ -32,9 +33,9 @@ class UnitHooks:
 
         noted, reduced, gate = call("on_grads_noted"), call("on_unit_reduced"), call("gate")
         before_reduce(module, noted)
-        module.set_gradient_divide_factor(1.0)
-        module.set_force_sum_reduction_for_comms(True)  # gloo has no AVG; the 1/world goes into the step
-        module.set_all_reduce_hook(reduced, stream=copy_stream)
+        self.module.set_gradient_divide_factor(1.0)
+        self.module.set_force_sum_reduction_for_comms(True)  # gloo has no AVG; the 1/world goes into the step
+        self.module.set_all_reduce_hook(reduced, stream=copy_stream)
         # prepend: before FSDP2's own pre-forward, whose all-gather reads the sharded parameters
         self._gate = module.register_forward_pre_hook(lambda *_: gate(), prepend=True)
 
@@ -43,7 +44,7 @@ class UnitHooks:
         replace it."""
         self._gate.remove()
         self.module.set_all_reduce_hook(lambda flat_grad: _refuse_backward())
-        restore_post_backward(self.module)
+        restore_post_backward(cast(nn.Module, self.module))
 
 
 def order_after_copy(event: torch.cuda.Event | None, module: nn.Module, device: torch.device) -> None:

@@ -10,9 +10,11 @@ from __future__ import annotations
 import enum
 import threading
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_zoff.offload.buffers import host_empty
 from lightning_zoff.offload.layout import ParamSlot, UnitLayout
@@ -228,6 +230,11 @@ class ParamState:
     moments: dict[str, torch.Tensor]  # "exp_avg"[, "exp_avg_sq"], shaped as the local shard
     step: int
 
+    @property
+    def local(self) -> torch.Tensor:
+        """This rank's shard of the parameter on the accelerator."""
+        return cast(DTensor, self.param).to_local()
+
 
 def param_states(unit: UnitState) -> list[ParamState]:
     """The unit's parameters in flat order, then its frozen ones."""
@@ -238,7 +245,7 @@ def param_states(unit: UnitState) -> list[ParamState]:
         if found is None:
             states.append(ParamState(param, None, {}, 0))
             continue
-        shape = param.to_local().shape
+        shape = cast(DTensor, param).to_local().shape
         moments = {key: unit.rows(found, flat).view(shape) for key, flat in unit.moments.items()}
         states.append(ParamState(param, unit.rows(found, unit.master).view(shape), moments, found.step))
     return states
