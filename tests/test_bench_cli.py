@@ -1,0 +1,202 @@
+"""scripts/bench.py without a GPU: the plot from made-up runs, DeepSpeed's configurations as dicts, the ratio search
+against made-up outcomes, the failure lines, and one tiny CPU run through the whole command line."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import bench  # noqa: E402
+import bench_deepspeed  # noqa: E402
+import bench_plot  # noqa: E402
+
+ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def fake_run(name, step, forward, backward, exposed, **extra):
+    run = dict(name=name, model="gpt7b", accumulate=1, batch=4, gpu_memory_gb=None, exact=True, step_s_median=step,
+               forward_s=forward, backward_s=backward, exposed_optimizer_s=exposed, peak_gpu_gb=30.0, host_gb=90.0)
+    return {**run, **extra}
+
+
+FAKE_RUNS = [
+    fake_run("gpu_only", 0.5, 0.15, 0.3, 0.02),
+    fake_run("zoff", 1.9, 0.2, 0.4, 1.2, host_tree_peak_gb=110.0),
+    fake_run("deepspeed_zero3_offload_ratio", 4.2, 0.3, 0.9, 2.8, ratio=0.5),
+    fake_run("deepspeed_zero2_zenflow", 1.1, 0.2, 0.5, 0.6, exact=False),
+    dict(name="deepspeed_zero2_offload", model="gpt7b", accumulate=1, batch=4, gpu_memory_gb=None, exact=True,
+         error="torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", outcome="gpu_oom"),
+]
+
+
+def test_step_segments_leave_the_rest_as_other():
+    segments = bench_plot.step_segments(FAKE_RUNS[1])
+    assert segments == pytest.approx({"forward": 0.2, "backward": 0.4, "exposed optimizer": 1.2, "other": 0.1})
+    # zoff's exposed time also counts forwards that waited: the phases may sum past the step, "other" stays 0
+    assert bench_plot.step_segments(fake_run("zoff", 1.0, 0.4, 0.5, 0.3))["other"] == 0.0
+
+
+def test_labels_name_ratio_and_inexact_runs():
+    assert bench_plot.run_label(FAKE_RUNS[2]) == "deepspeed_zero3_offload_ratio acc 1 ratio 0.5"
+    assert bench_plot.run_label(FAKE_RUNS[3]).endswith("(inexact)")
+    assert bench_plot.run_label(FAKE_RUNS[0], with_model=True).startswith("gpt7b gpu_only")
+    assert bench_plot.host_gb(FAKE_RUNS[1]) == 110.0
+    assert bench_plot.host_gb(FAKE_RUNS[0]) == 90.0
+
+
+def test_plot_draws_every_run_failed_ones_included(tmp_path):
+    pytest.importorskip("matplotlib")
+    runs = [{**run, "gpu_memory_gb": 24} for run in FAKE_RUNS]
+    path = bench_plot.plot_runs(runs, tmp_path / "bench.png", title="python scripts/bench.py --model gpt7b")
+    assert path == tmp_path / "bench.png"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_prints_a_note(tmp_path, monkeypatch, capsys):
+    for module in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, module)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib... raises ImportError
+    assert bench_plot.plot_runs(FAKE_RUNS, tmp_path / "bench.png") is None
+    assert "matplotlib is missing" in capsys.readouterr().out
+    assert not (tmp_path / "bench.png").exists()
+
+
+def test_deepspeed_configurations():
+    assert bench_deepspeed.config_overrides("deepspeed_zero3_offload", ADAMW) == {}
+    assert bench_deepspeed.config_overrides("deepspeed_zero2_offload", ADAMW) == {}
+    ratio = bench_deepspeed.config_overrides("deepspeed_zero3_offload_ratio", ADAMW, ratio=0.3)
+    assert ratio == {"zero_optimization": {"sub_group_size": 100_000_000, "offload_optimizer": {"ratio": 0.3}}}
+    with pytest.raises(ValueError, match="needs a ratio"):
+        bench_deepspeed.config_overrides("deepspeed_zero3_offload_ratio", ADAMW)
+    zenflow = bench_deepspeed.config_overrides("deepspeed_zero2_zenflow", ADAMW)
+    assert zenflow["zero_optimization"]["zenflow"]["topk_ratio"] == 0.05
+    assert zenflow["optimizer"] == {"type": "AdamW",
+                                    "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}}
+    json.dumps(zenflow)  # DeepSpeed gets plain JSON values
+    assert bench_deepspeed.unsupported("deepspeed_zero2_zenflow", 4)
+    assert bench_deepspeed.unsupported("deepspeed_zero2_zenflow", 1) is None
+    assert {"deepspeed_zero2_zenflow"} == bench_deepspeed.INEXACT
+
+
+def test_merge_keeps_lightnings_keys():
+    # Lightning's default for stage 3 with offload_optimizer=True, pin_memory=True (abridged)
+    lightning = {"zero_allow_untested_optimizer": True,
+                 "zero_optimization": {"stage": 3, "sub_group_size": 1e12, "overlap_comm": True,
+                                       "offload_optimizer": {"device": "cpu", "pin_memory": True, "buffer_count": 4}}}
+    overrides = bench_deepspeed.config_overrides("deepspeed_zero3_offload_ratio", ADAMW, ratio=0.4)
+    merged = bench_deepspeed.merge(lightning, overrides)
+    assert merged["zero_optimization"] == {"stage": 3, "sub_group_size": 100_000_000, "overlap_comm": True,
+                                           "offload_optimizer": {"device": "cpu", "pin_memory": True,
+                                                                 "buffer_count": 4, "ratio": 0.4}}
+    assert merged["zero_allow_untested_optimizer"] is True
+
+
+@pytest.mark.parametrize(("fits_from", "host_fails_from", "expected"), [
+    (0.1, None, 0.1), (0.4, None, 0.4), (1.0, None, 1.0), (0.7, 0.9, 0.7), (0.8, 0.8, None), (None, None, None)])
+def test_ratio_search_finds_the_smallest_that_fits(fits_from, host_fails_from, expected):
+    def outcome(ratio):
+        if host_fails_from is not None and ratio >= host_fails_from:
+            return "host_oom"
+        return "fits" if fits_from is not None and ratio >= fits_from else "gpu_oom"
+
+    best, tries = bench.smallest_fitting_ratio(list(bench_deepspeed.RATIOS), outcome)
+    assert best == expected
+    assert len(tries) <= 5
+    assert len(tries) == 1 or tries[0] == (0.1, "gpu_oom")
+    assert all(outcome(ratio) == result for ratio, result in tries)
+
+
+def test_ratio_search_stops_at_another_failure():
+    best, tries = bench.smallest_fitting_ratio([0.1, 0.2, 0.3], lambda ratio: "error")
+    assert best is None
+    assert tries == [(0.1, "error")]
+    best, tries = bench.smallest_fitting_ratio([0.1, 0.2, 0.3, 0.4], lambda r: "gpu_oom" if r < 0.2 else "error")
+    assert best is None
+    assert tries == [(0.1, "gpu_oom"), (0.3, "error")]
+
+
+def test_failure_lines():
+    traceback = "\n".join([
+        "Traceback (most recent call last):", '  File "x.py", line 1, in <module>',
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139 GiB",
+        "During handling of the above exception, another exception occurred:",
+        "RuntimeError: NCCL communicator was aborted"])
+    line = bench.failure_line(traceback, 1)
+    assert line.startswith("torch.OutOfMemoryError: CUDA out of memory")
+    assert bench.outcome_of(line) == "gpu_oom"
+    line = bench.failure_line("warning: slow\nAssertionError: Hybrid Optimizer Only Supports DeepSpeedCPUAdam\n", 1)
+    assert line == "AssertionError: Hybrid Optimizer Only Supports DeepSpeedCPUAdam"
+    assert bench.outcome_of(line) == "error"
+    line = bench.failure_line("loading\n", -9)
+    assert line.startswith("killed by SIGKILL")
+    assert bench.outcome_of(line) == "host_oom"
+    assert bench.outcome_of(bench.failure_line("RuntimeError: [enforce fail] DefaultCPUAllocator: can't allocate", 1)) \
+        == "host_oom"
+    assert bench.failure_line("", 3) == "exit code 3, nothing on stderr"
+
+
+def test_exactness():
+    assert bench.inexact_because("zoff", {}) is None
+    assert bench.inexact_because("zoff_bf16_moments", {}) == "moments stored in bf16"
+    assert bench.inexact_because("zoff", {"optimizer_state_dtype": "bf16"}) == "moments stored in bf16"
+    assert bench.inexact_because("deepspeed_zero2_zenflow", {})
+    assert all(bench.inexact_because(name, {}) is None for name in ("gpu_only", "fsdp2_cpu_offload",
+               "deepspeed_zero3_offload", "deepspeed_zero2_offload", "deepspeed_zero3_offload_ratio"))
+
+
+def test_compare_against_the_fastest_exact_deepspeed():
+    runs = [dict(name="deepspeed_zero3_offload", accumulate=1, exact=True, tokens_per_s=100.0),
+            dict(name="deepspeed_zero3_offload_ratio", accumulate=1, exact=True, tokens_per_s=200.0),
+            dict(name="deepspeed_zero2_zenflow", accumulate=1, exact=False, tokens_per_s=1000.0),
+            dict(name="deepspeed_zero2_offload", accumulate=1, exact=True, error="CUDA out of memory"),
+            dict(name="zoff", accumulate=1, exact=True, tokens_per_s=400.0)]
+    bench.compare(runs)
+    assert runs[-1]["vs_best_exact_deepspeed"] == 2.0
+    assert runs[-1]["best_exact_deepspeed"] == "deepspeed_zero3_offload_ratio"
+    assert runs[-1]["vs_gpu_only"] is None
+
+
+def test_new_model_and_default_runs():
+    assert bench.MODELS["gpt13b"] == dict(vocab_size=32000, block_size=1024, n_layer=40, n_head=40, n_embd=5120,
+                                          bias=False)
+    assert {"fsdp2_cpu_offload", "gpu_only", "zoff", *bench_deepspeed.DEEPSPEED_RUNS} <= set(bench.DEFAULT_RUNS)
+
+
+def test_cpu_run_records_model_and_gpu_memory(tmp_path):
+    """The whole command line on the CPU (about 15 s once the kernels are built): the entry carries the model and the
+    cap (which a CPU run records and cannot apply), and the PNG lands next to the JSON."""
+    out = tmp_path / "bench.json"
+    command = [sys.executable, str(SCRIPTS / "bench.py"), "--model", "tiny", "--runs", "zoff", "--accumulate", "1",
+               "--steps", "2", "--warmup", "1", "--batch", "2", "--gpu-memory-gb", "24", "--out", str(out)]
+    subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
+    record = json.loads(out.read_text())
+    (run,) = record["runs"]
+    assert run["model"] == "tiny"
+    assert run["gpu_memory_gb"] == 24
+    assert record["gpu_memory_gb"] == 24
+    assert run["exact"] is True
+    assert run["batch"] == 2
+    assert run["forward_s"] > 0
+    assert run["backward_s"] > 0
+    assert run["step_s_median"] > 0
+    assert run["host_tree_peak_gb"] is None or run["host_tree_peak_gb"] > 0
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_unsupported_run_is_an_entry_without_a_process():
+    args = bench.argparse.Namespace(model="gpt1b", batch=8, gpu_memory_gb=None, zoff_option=[])
+    entry = bench.run_child(args, "deepspeed_zero2_zenflow", accumulate=4, steps=8, warmup=2)
+    assert entry["outcome"] == "unsupported"
+    assert "accumulate 1" in entry["error"]
+    assert entry["model"] == "gpt1b"
+    assert entry["gpu_memory_gb"] is None
+    assert entry["exact"] is False
