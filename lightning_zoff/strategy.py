@@ -31,6 +31,7 @@ from lightning_zoff.checks import (
 from lightning_zoff.cpus import CpuLayout, torch_threads
 from lightning_zoff.node_log import log_for_node
 from lightning_zoff.offload import OffloadEngine, StepOutcome, describe_memory
+from lightning_zoff.offload.placement import accelerator_room, parse_accelerator_state
 from lightning_zoff.precision import ZoffPrecision
 from lightning_zoff.schedulers import SkipAwareScheduler
 from lightning_zoff.sharding import ParamInitFn, checkpoint_activations, is_sharded, plan_units, shard_model
@@ -47,6 +48,11 @@ class ZoffStrategy(CheckpointingStrategy, ProcessGroupStrategy):
 
     Args:
         offload: keep the fp32 master weights and optimizer state in host memory and run the update on the CPU.
+        accelerator_state: with ``offload``, how much of that state the accelerator keeps instead, updated there:
+            ``"auto"`` (default; on a GPU: what the host cannot hold from the start, then, after the first step
+            measured its peak memory, as many more units as fit with a margin of max(2 GiB, 5%)), a fraction in
+            [0, 1] of the trained parameters (the units the forward needs first), or ``"none"``: all on the host.
+            Every unit there takes 28 B/param (fp32 moments) of traffic off the host, zoff's bottleneck.
         wrap_policy: module classes that become FSDP2 units; default: the repeated children of `nn.ModuleList`s.
         activation_checkpointing_policy: module classes whose activations are recomputed in backward instead of
             kept (torch's composable `checkpoint`, applied before sharding; parameter names do not change).
@@ -99,6 +105,7 @@ class ZoffStrategy(CheckpointingStrategy, ProcessGroupStrategy):
         precision_plugin: Precision | None = None,
         *,
         offload: bool = True,
+        accelerator_state: Literal["auto", "none"] | float = "auto",
         wrap_policy: set[type[nn.Module]] | list[type[nn.Module]] | None = None,
         activation_checkpointing_policy: set[type[nn.Module]] | list[type[nn.Module]] | None = None,
         start_method: StartMethod = "subprocess",
@@ -122,6 +129,8 @@ class ZoffStrategy(CheckpointingStrategy, ProcessGroupStrategy):
                       retain_gpu_grad_partition_until_step=retain_gpu_grad_partition_until_step)
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.offload = bool(offload)
+        self.accelerator_state = parse_accelerator_state(accelerator_state)
+        self._placing_after_first_step = False
         self.wrap_policy = set(wrap_policy) if wrap_policy else None
         self.activation_checkpointing_policy = set(activation_checkpointing_policy or ())
         self.start_method = start_method
@@ -238,7 +247,11 @@ class ZoffStrategy(CheckpointingStrategy, ProcessGroupStrategy):
             self.engine = self._build_engine(state_device, threads, trainer.accumulate_grad_batches)
         self.engine.attach()
         self._masters = {}
+        self._placing_after_first_step = (self.offload and self.accelerator_state == "auto"
+                                          and self.root_device.type == "cuda")
         self._log_memory()
+        self._log_placement("at setup" + (", more after the first step" if self._placing_after_first_step else ""),
+                            always=self._placing_after_first_step)
         for config in self.lr_scheduler_configs:
             if config.interval == "step" and not isinstance(config.scheduler, SkipAwareScheduler):
                 # steps the wrapped scheduler as Lightning would, minus the skipped steps
@@ -257,8 +270,14 @@ class ZoffStrategy(CheckpointingStrategy, ProcessGroupStrategy):
             moment_dtype=MOMENT_DTYPES[self.optimizer_state_dtype], accumulate_grad_batches=accumulate_grad_batches,
             accumulate_on_accelerator=self.grad_accum_on == "accelerator",
             retain_device_sum=self.retain_gpu_grad_partition_until_step, threads=threads, overlap=self.overlap,
-            ranks_on_node=self.num_processes,
+            ranks_on_node=self.num_processes, accelerator_state=self.accelerator_state if self.offload else "none",
+            forward_order=self._forward_order(),
         )
+
+    def _forward_order(self) -> list[str]:
+        # modules are usually registered in the order the forward runs them; the first forward tells for sure
+        position = {name: i for i, (name, _) in enumerate(self._module.named_modules())}
+        return sorted((name for name, _ in self._units), key=lambda name: position.get(name, len(position)))
 
     def _log_step(self, loss_scale: float) -> None:
         # Lightning allows logging from `optimizer_step`; its loggers keep their own cadence
@@ -279,6 +298,21 @@ class ZoffStrategy(CheckpointingStrategy, ProcessGroupStrategy):
             self._cpu_layout = self._plan_cpu_layout()
         return self._cpu_layout.kernel_threads
 
+    def _place_by_first_step(self) -> None:
+        assert self.engine is not None
+        room = accelerator_room(self.root_device)
+        self.engine.place_more(room.free)
+        self._log_placement(room.describe(), always=True)
+
+    def _log_placement(self, why: str, always: bool) -> None:
+        assert self.engine is not None
+        summary = self.engine.placement_summary()
+        (accel, accel_bytes), (host, host_bytes) = summary["accelerator"], summary["host"]
+        if accel or always:
+            line = (f"optimizer state of {accel} unit(s) ({accel_bytes / 1e9:.1f} GB) on the accelerator, {host} on the"
+                    f" host ({host_bytes / 1e9:.1f} GB): accelerator_state={self.accelerator_state!r}, {why}")
+            log_for_node(line, self.global_rank, self.local_rank, self.num_processes)
+
     def _log_memory(self) -> None:
         assert self.engine is not None
         self.memory_report = self.engine.memory_report()
@@ -291,15 +325,31 @@ class ZoffStrategy(CheckpointingStrategy, ProcessGroupStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         assert self.engine is not None
         self.engine.begin_backward(window_ends=self._in_optimizer_step, loss_scale=self.precision_plugin.loss_scale)
-        with self._timer.measure("backward"):
+        with self._timer.measure("backward"), self._explaining_oom():
             closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
             self.engine.after_backward()
         return closure_loss
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._timer.measure("forward"):
+        with self._timer.measure("forward"), self._explaining_oom():
             return super().training_step(*args, **kwargs)
+
+    @contextmanager
+    def _explaining_oom(self) -> Generator[None, None, None]:
+        # zoff chose to keep optimizer state on the accelerator; a later, larger step must not just die unexplained
+        try:
+            yield
+        except torch.OutOfMemoryError as err:
+            accel = self.engine.placement_summary()["accelerator"] if self.engine is not None else (0, 0)
+            if not accel[0] or not self.offload:
+                raise
+            raise torch.OutOfMemoryError(
+                f"{err}\nzoff keeps the optimizer state of {accel[0]} unit(s) ({accel[1] / 1e9:.1f} GB) on the"
+                f" accelerator (accelerator_state={self.accelerator_state!r}), chosen from the first step's peak"
+                " memory; this step needed more. Keep less there: ZoffStrategy(accelerator_state=<a smaller fraction>)"
+                " or accelerator_state='none'."
+            ) from err
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -320,6 +370,9 @@ class ZoffStrategy(CheckpointingStrategy, ProcessGroupStrategy):
         if precision.scaler is not None:
             precision.scaler.update(overflow=self.last_step.skipped)
         self._log_step(precision.loss_scale)
+        if self._placing_after_first_step:
+            self._placing_after_first_step = False
+            self._place_by_first_step()
         if self.last_step.skipped:
             log.warning("zoff: non-finite gradient (norm %s) at step %d: step skipped, nothing changed%s",
                         self.last_step.grad_norm, self._module.trainer.global_step,

@@ -94,14 +94,17 @@ MODELS = {
 # zoff variants: the synchronous engine, where the sum of an accumulation window lives (issue 4's question), bf16
 # moments (issue 10)
 ZOFF_VARIANTS = {
-    "zoff": {},
-    "zoff_sync": dict(overlap=False),
+    "zoff": {},  # accelerator_state="auto": as much optimizer state on the GPU as fits after the first step
+    "zoff_host_only": dict(accelerator_state="none"),  # all optimizer state on the host (before issue 17)
+    "zoff_sync": dict(overlap=False, accelerator_state="none"),
+    "zoff_half_on_gpu": dict(accelerator_state=0.5),
     "zoff_16_threads": dict(cpu_threads=16),  # every core to the kernels, none kept for the training thread
     "zoff_accum_host": dict(grad_accum_on="host"),
     "zoff_accum_gpu": dict(grad_accum_on="accelerator"),
     "zoff_accum_gpu_retained": dict(grad_accum_on="accelerator", retain_gpu_grad_partition_until_step=True),
     "zoff_bf16_moments": dict(optimizer_state_dtype="bf16"),  # 20 B/param of host traffic instead of 28
-    "zoff_sync_bf16_moments": dict(overlap=False, optimizer_state_dtype="bf16"),  # the 7B-on-128-GB configuration
+    # the 7B-on-128-GB configuration, all on the host
+    "zoff_sync_bf16_moments": dict(overlap=False, optimizer_state_dtype="bf16", accelerator_state="none"),
 }
 RUNS = ("gpu_only", *DEEPSPEED_RUNS, "fsdp2_cpu_offload", *ZOFF_VARIANTS, "zoff_no_offload")
 DEFAULT_RUNS = ("gpu_only", "zoff", *DEEPSPEED_RUNS, "fsdp2_cpu_offload")

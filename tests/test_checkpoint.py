@@ -99,6 +99,35 @@ def test_moments_load_into_a_run_of_the_other_dtype(request, tmp_path, saved, lo
         assert resumed[rank]["losses"] == pytest.approx(full[rank]["losses"][6:8], rel=1e-4)
 
 
+def test_a_checkpoint_resumes_with_another_placement_of_the_state(run, tmp_path):
+    """One layout whatever the placement: the host run's checkpoint resumes with every unit's state on the
+    "accelerator" (torch ops on CPU tensors here) and from the same moments; a checkpoint saved with half the state
+    there resumes on the host."""
+    out, full = run
+    on_host, on_accel = tmp_path / "host", tmp_path / "accel"
+    resume_fit(on_host, ckpt_path=out / "ck" / STEP6, max_steps=7, callbacks=[MomentsAtStart(on_host)])
+    moved = resume_fit(on_accel, ckpt_path=out / "ck" / STEP6, accelerator_state=1.0,
+                       callbacks=[MomentsAtStart(on_accel)])
+    host_moments, accel_moments = torch.load(on_host / "moments.pt"), torch.load(on_accel / "moments.pt")
+    assert host_moments.keys() == accel_moments.keys()
+    for name, state in host_moments.items():
+        for key, value in state.items():
+            assert torch.equal(accel_moments[name][key], value), (name, key)
+    for rank in (0, 1):
+        assert set(moved[rank]["placements"].values()) == {"accelerator"}
+        got, want = torch.tensor(moved[rank]["losses"]), torch.tensor(full[rank]["losses"][6:])
+        assert ((got - want).abs() / want.abs()).max() < 1e-5
+    # and back: saved with half the units' state on the "accelerator", resumed with all of it on the host
+    half = tmp_path / "half"
+    resume_fit(half, max_steps=6, accelerator_state=0.5,
+               callbacks=[ModelCheckpoint(dirpath=half / "ck", save_top_k=-1, every_n_train_steps=6)])
+    back = resume_fit(tmp_path / "back", ckpt_path=half / "ck" / STEP6, accelerator_state="none")
+    for rank in (0, 1):
+        assert set(back[rank]["placements"].values()) == {"host"}
+        got, want = torch.tensor(back[rank]["losses"]), torch.tensor(full[rank]["losses"][6:])
+        assert ((got - want).abs() / want.abs()).max() < 1e-5
+
+
 def test_resume_on_one_rank_reshards(run, tmp_path):
     out, full = run
     resumed = resume_fit(tmp_path, devices=1, batch_size=8, ckpt_path=out / "ck" / STEP6)

@@ -162,6 +162,39 @@ def test_no_offload_matches_ddp(tmp_path, ddp_losses):
     assert rel_err(read_probe(tmp_path)["losses"], ddp_losses["losses"]) < 1e-5
 
 
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_optimizer_state_on_the_accelerator_matches_ddp(tmp_path, ddp_losses, fraction):
+    # "accelerator" placement in a CPU run takes the path a GPU's units take (torch ops, inline, no worker) on CPU
+    # tensors, next to host units updated by the kernels on the worker (overlap, accumulation, clipping all on)
+    fit(tmp_path, ZoffStrategy(start_method="fork", accelerator_state=fraction))
+    zoff = read_probe(tmp_path)
+    assert rel_err(zoff["losses"], ddp_losses["losses"]) < 1e-5
+    assert set(zoff["placements"].values()) == ({"host", "accelerator"} if fraction < 1 else {"accelerator"})
+    assert zoff["placements"]["model"] == "accelerator"  # the embedding's unit: the forward needs it first
+    memory = zoff["memory"]
+    assert memory["accelerator_optimizer_state"] > 0
+    if fraction == 1.0:
+        assert memory["host_total"] == 0
+
+
+class PlaceMoreAfterTheFirstStep(pl.Callback):
+    """Does what accelerator_state="auto" does on a GPU after the first step, with room for the first unit only."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        engine = trainer.strategy.engine
+        if trainer.global_step == 1 and engine._seen_forward is not None:
+            first = engine._seen_forward[0]  # the unit the forward entered first
+            assert engine.place_more(engine.costs[first].accelerator_bytes) == [first]
+
+
+def test_state_moved_to_the_accelerator_between_steps_matches_ddp(tmp_path, ddp_losses):
+    fit(tmp_path, ZoffStrategy(start_method="fork", accelerator_state="none"), callbacks=[PlaceMoreAfterTheFirstStep()])
+    zoff = read_probe(tmp_path)
+    assert rel_err(zoff["losses"], ddp_losses["losses"]) < 1e-5
+    assert zoff["placements"] == {"model.blocks.0": "host", "model.blocks.1": "host", "model.blocks.2": "host",
+                                  "model": "accelerator"}
+
+
 @pytest.mark.parametrize("retain", [False, True])
 def test_accumulating_on_the_accelerator_gives_the_same_bits(tmp_path, retain):
     host, accel = tmp_path / "host", tmp_path / "accel"

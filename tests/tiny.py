@@ -127,6 +127,7 @@ class Probe(Callback):
             info["memory"] = engine.memory_report()
             info["state_devices"] = sorted({str(t.device) for u in engine.units for t in u.buffers()})
             info["state_dtypes"] = sorted({str(t.dtype) for u in engine.units for t in u.state})
+            info["placements"] = {u.layout.name: u.placement.value for u in engine.units if u.trained}
             info["torch_state_empty"] = all(len(s) == 0 for s in trainer.optimizers[0].state.values())
         (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(info))
 

@@ -57,6 +57,9 @@ def memory_report(units: list[UnitState], *, grad_sum_dtype: torch.dtype, accumu
         # the largest unit's reduced gradient lives on the accelerator only until it reaches the host
         "accelerator_grad_peak": max((u.layout.flat_numel * u.grad_staging.element_size() for u in units), default=0),
         "accelerator_grad_sum": accel_sum,
+        # the state and buffers of the units placed there (accelerator_state)
+        "accelerator_optimizer_state": sum(t.nbytes for u in units if u.placement is Placement.ACCELERATOR
+                                           for t in u.buffers()),
         **host,
         "host_total": host_total,
         "accelerator_bytes_per_param": accel_params / max(local_numel, 1),

@@ -72,6 +72,7 @@ def check_host_budget(elements: int, ranks_on_node: int, *, param_bytes: int, se
             together["accum_bytes"] = 2
         if len(together) > 1:
             smaller.append(f"all of these ({needs(**together) / gb:.1f} GB)")
+        smaller.append("accelerator_state=<a fraction> (that share of the state stays on the GPU instead)")
         smaller.append("more nodes (the host state splits across all ranks)")
         raise MemoryError(
             f"zoff: the optimizer state needs {needed / gb:.1f} GB of host memory on this node ({ranks_on_node} rank(s)"

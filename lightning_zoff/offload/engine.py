@@ -200,10 +200,10 @@ class OffloadEngine(GradientLanding):
         order = self._landed_order[::-1] + [u for u in units if u not in self._landed_order]
         for unit in order:  # the next forward needs them about in the reverse of backward's order
             unit.phase = Phase.FINALIZING
-            if self.scheduler is not None and unit.placement is Placement.HOST:
+            if self.scheduler is not None and self._on_worker(unit):
                 self.scheduler.finalize(functools.partial(self._finalize, unit, decision))
         for unit in order:  # the accelerator's units meanwhile, queued on its stream
-            if self.scheduler is None or unit.placement is Placement.ACCELERATOR:
+            if not self._on_worker(unit):
                 self._finalize(unit, decision)
         return outcome
 

@@ -68,7 +68,7 @@ class GradientLanding:
             self._accumulate_on_accelerator(unit, flat_grad, window_ends)
         unit.grad_copied = record_event(self.copy_stream)
         self._landed_order.append(unit)
-        if self.scheduler is not None and on_host:
+        if self.scheduler is not None and self._on_worker(unit):
             event = unit.grad_copied
             self.scheduler.land(lambda: self._land(unit, window_ends), ready=None if event is None else event.query)
 
@@ -92,7 +92,7 @@ class GradientLanding:
         """Free the accelerator's gradients (the copies are ordered before any reuse of their memory by FSDP2's
         end of backward); without overlap, land every unit now."""
         for unit in self._landed_order:
-            if self.scheduler is None or unit.placement is Placement.ACCELERATOR:
+            if not self._on_worker(unit):
                 self._land(unit, self.window_ends)
         for unit in self.units:
             for slot in unit.layout.slots:
@@ -123,12 +123,12 @@ class GradientLanding:
             unit.phase = Phase.READY if window_ends else Phase.SUMMING
             if window_ends:
                 unit.sumsq = self._unit_sumsq(unit)
-                if self.scheduler is not None and unit.placement is Placement.HOST:
+                if self._on_worker(unit):
                     self._speculate(unit)
         finally:
             if unit.window_grad is not unit.grad_staging:
                 unit.staging_free.set()
-            if self.scheduler is not None:
+            if self.scheduler is not None and self._on_worker(unit):
                 self.scheduler.landed()
 
     def _accumulate(self, unit: UnitState, total: torch.Tensor, shard: torch.Tensor, replace: bool = False
@@ -146,3 +146,8 @@ class GradientLanding:
 
     def _speculate(self, unit: UnitState) -> None:
         raise NotImplementedError  # the engine's: queue the unit's update as if nothing is clipped or skipped
+
+    def _on_worker(self, unit: UnitState) -> bool:
+        """Whether the unit's host work runs on the scheduler's worker (with overlap, for units on the host) rather
+        than inline in the training thread (without overlap, or state on the accelerator)."""
+        return self.scheduler is not None and unit.placement is Placement.HOST

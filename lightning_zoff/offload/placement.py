@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from lightning_zoff.offload.budget import host_bytes
 from lightning_zoff.offload.layout import UnitLayout
 
@@ -111,3 +113,27 @@ def initial_placement(costs: Sequence[UnitCost], accelerator_state: str | float,
     if accelerator_is_cpu or host_capacity is None:
         return []
     return fewest_for_host(costs, host_capacity)  # "auto": the rest joins them after the first step
+
+
+@dataclass(frozen=True)
+class AcceleratorRoom:
+    total: int  # what this process may use (a per-process memory fraction counts)
+    peak: int  # the most the caching allocator held so far
+    margin: int
+    free: int  # for more state: total - peak - margin, and no more than the device has free
+
+    def describe(self) -> str:
+        return (f"the first step peaked at {self.peak / 1e9:.1f} of {self.total / 1e9:.1f} GB; a margin of"
+                f" {self.margin / 1e9:.1f} GB stays free")
+
+
+def accelerator_room(device: torch.device) -> AcceleratorRoom:
+    """How much more optimizer state a CUDA device can take after what ran on it so far."""
+    device_free, device_total = torch.cuda.mem_get_info(device)
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    total = int(device_total * (get_fraction(device) if get_fraction is not None else 1.0))
+    peak = torch.cuda.max_memory_reserved(device)
+    idle_in_cache = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    margin = margin_bytes(total)
+    free = min(total - peak, device_free + idle_in_cache) - margin
+    return AcceleratorRoom(total, peak, margin, max(0, free))
