@@ -55,6 +55,15 @@ for stage in "$@"; do
     before_after)  # the 1.34B bench with main before this session (carry _before: git archive c2f129e) and now
       for side in _before .; do (cd $side && timeout 200 python3 scripts/bench.py --runs zoff --accumulate 1 --steps 6 --warmup 2 \
           --out "$OUT/bench_gpt1b_zoff_$( [ $side = . ] && echo after || echo before ).json" 2>&1 | grep -v "^INFO" | tail -3 | tee -a "$OUT/before_after.txt"); done ;;
+    placement) timeout 300 python3 scripts/check_placement.py --steps 12 --out "$OUT/placement_check.json" 2>&1 | grep -v "^INFO\|Tip\|available:" | tail -30 | tee "$OUT/placement_check.txt" ;;
+    issue17_7b)  # gpt7b batch 4: zoff (auto placement) vs GPU-only vs all state on the host, one call
+      timeout ${BENCH_TIMEOUT:-560} python3 scripts/bench.py --model gpt7b --batch 4 --accumulate 1 --steps 6 --warmup 2 --runs gpu_only zoff zoff_sync --out "$OUT/issue17_gpt7b.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/issue17_gpt7b.txt" ;;
+    issue17_1b)  # gpt1b batch 8 at accumulate 1 and 4 against DeepSpeed's stronger configurations
+      timeout ${BENCH_TIMEOUT:-560} python3 scripts/bench.py --model gpt1b --batch 8 --accumulate 1 4 --steps 6 --warmup 2 --runs gpu_only zoff deepspeed_zero2_offload deepspeed_zero3_offload_ratio --out "$OUT/issue17_gpt1b.json" 2>&1 | grep -v "^INFO" | tail -16 | tee "$OUT/issue17_gpt1b.txt" ;;
+    issue17_13b)  # gpt13b batch 4: GPU-only cannot fit it
+      timeout ${BENCH_TIMEOUT:-580} python3 scripts/bench.py --model gpt13b --batch 4 --accumulate 1 --steps 20 --warmup 2 --runs zoff deepspeed_zero3_offload_ratio --ratios 0.5 0.6 0.7 0.8 --out "$OUT/issue17_gpt13b.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/issue17_gpt13b.txt" ;;
+    issue17_cap24)  # a 24 GB GPU's budget, gpt7b
+      timeout ${BENCH_TIMEOUT:-560} python3 scripts/bench.py --model gpt7b --batch 1 --accumulate 1 --steps 4 --warmup 1 --gpu-memory-gb 24 --runs zoff deepspeed_zero3_offload deepspeed_zero2_offload --out "$OUT/issue17_gpt7b_24gb.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/issue17_gpt7b_24gb.txt" ;;
     finetune7b)  # a fine-tune of the 7B shape's last 2 blocks: host state for those only
       timeout 240 python3 scripts/check_capacity.py --model gpt7b --train-last 2 --steps 8 --batch 4 \
           --out "$OUT/finetune_gpt7b_last2.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/finetune_gpt7b.txt" ;;
