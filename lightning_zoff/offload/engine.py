@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
@@ -132,7 +132,8 @@ class OffloadEngine(GradientLanding):
         on_accelerator = initial_placement(
             [self.costs[n] for n in self.forward_order], accelerator_state,
             accelerator_is_cpu=self.param_device.type == "cpu",
-            host_capacity=(host_memory_total() or 0) // ranks_on_node or None)
+            # room for what else a rank holds (Python, CUDA, data): the host takes 85% of its share at most
+            host_capacity=int(0.85 * host_memory_total()) // ranks_on_node or None)
         placements = [Placement.ACCELERATOR if state_device.type != "cpu" or layout.name in on_accelerator
                       else Placement.HOST for layout, _ in layouts]
         if Placement.HOST in placements:
@@ -336,14 +337,22 @@ class OffloadEngine(GradientLanding):
                 unit.param_staging.copy_(unit.master)
             self._send(unit, unit.trained, non_blocking=False)
 
-    def move(self, names: Collection[str], placement: Placement) -> None:
-        """Move the named units' state to `placement` (exact copies; between steps)."""
+    def move(self, names: Sequence[str], placement: Placement) -> list[str]:
+        """Move the named units' state to `placement`, in that order (exact copies; between steps); the names moved.
+        Should the accelerator run out of memory on the way, the units not moved yet stay where they are."""
         self.wait_idle()
-        for unit in self.units:
-            if unit.layout.name in names and unit.placement is not placement:
-                host = placement is Placement.HOST
-                relocate(unit, placement, self._device(placement), spare=self.overlap and host,
-                         grad_sum_dtype=self.grad_sum_dtype, pin=self.pin_memory and host)
+        by_name = {unit.layout.name: unit for unit in self.units}
+        moved = []
+        host = placement is Placement.HOST
+        for name in names:
+            if by_name[name].placement is not placement:
+                try:
+                    relocate(by_name[name], placement, self._device(placement), spare=self.overlap and host,
+                             grad_sum_dtype=self.grad_sum_dtype, pin=self.pin_memory and host)
+                except torch.OutOfMemoryError:
+                    break  # the estimate was off: this unit stays as it was (relocate changes nothing on failure)
+            moved.append(name)
+        return moved
 
     def place_more(self, free_bytes: int) -> list[str]:
         """Move the host's units that come first in the forward order (as the first forward showed it) to the
@@ -352,8 +361,7 @@ class OffloadEngine(GradientLanding):
         self.forward_order = seen + [name for name in self.forward_order if name not in seen]
         on_host = {unit.layout.name for unit in self.units if unit.placement is Placement.HOST and unit.trained}
         chosen = first_that_fit([self.costs[n] for n in self.forward_order if n in on_host], free_bytes)
-        self.move(chosen, Placement.ACCELERATOR)
-        return chosen
+        return self.move(chosen, Placement.ACCELERATOR)
 
     def placement_summary(self) -> dict[str, tuple[int, int]]:
         """Per placement ("host", "accelerator"): units with trained parameters, and their state's bytes there."""

@@ -193,15 +193,21 @@ def build_unit_state(
 
 def relocate(unit: UnitState, placement: Placement, device: torch.device, *, spare: bool, grad_sum_dtype: torch.dtype,
              pin: bool) -> None:
-    """Move the unit's state to `device` (exact copies) and make its buffers there. Between windows only."""
+    """Move the unit's state to `device` (exact copies) and make its buffers there; on failure nothing changes.
+    Between windows only."""
     assert unit.phase is Phase.EMPTY
     assert unit.speculation is None
     param_dtype = unit.grad_staging.dtype
-    unit.state = [t.to(device, copy=True) for t in unit.state]  # pageable, as built: only the copies' buffers pin
-    unit.placement = placement
+    before = (unit.state, unit.placement, unit.spare, unit.grad_sum, unit.grad_staging, unit.param_staging)
+    try:
+        unit.state = [t.to(device, copy=True) for t in unit.state]  # pageable, as built: only the copies' buffers pin
+        unit.placement = placement
+        _make_buffers(unit, param_dtype, device, spare=spare, sums_windows=unit.grad_sum is not None,
+                      grad_sum_dtype=grad_sum_dtype, pin=pin)
+    except BaseException:  # out of memory on the way: the unit stays as it was
+        unit.state, unit.placement, unit.spare, unit.grad_sum, unit.grad_staging, unit.param_staging = before
+        raise
     unit.grad_copied = unit.params_copied = None
-    _make_buffers(unit, param_dtype, device, spare=spare, sums_windows=unit.grad_sum is not None,
-                  grad_sum_dtype=grad_sum_dtype, pin=pin)
 
 
 def _make_buffers(unit: UnitState, param_dtype: torch.dtype, device: torch.device, *, spare: bool,
