@@ -54,7 +54,7 @@ class Record(pl.Callback):
 
 
 def run(out: Path, *, overlap: bool, await_speculation: bool = False, accumulate: int = 1, where: str = "host",
-        moments: str = "fp32"):
+        moments: str = "fp32", clip: float | None = None):
     # norms run about 0.83-1.0 with one micro-batch and 0.74-0.87 with two: clip inside that range
     out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(3)
@@ -62,7 +62,7 @@ def run(out: Path, *, overlap: bool, await_speculation: bool = False, accumulate
         accelerator="cpu", devices=2,
         strategy=ZoffStrategy(start_method="fork", overlap=overlap, grad_accum_on=where, optimizer_state_dtype=moments),
         plugins=[ZoffPrecision("16-mixed", scale=2.0**10, hysteresis=1)], max_steps=STEPS,
-        accumulate_grad_batches=accumulate, gradient_clip_val=0.9 if accumulate == 1 else 0.81,
+        accumulate_grad_batches=accumulate, gradient_clip_val=clip or (0.9 if accumulate == 1 else 0.81),
         callbacks=[Record(out, await_speculation)],
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
@@ -90,7 +90,8 @@ def test_overlap_equals_synchronous_bitwise(tmp_path, accumulate, where, moments
     clipped = [coef < 1.0 for skipped, coef, _ in outcomes if not skipped]
     assert any(clipped)
     assert not all(clipped)  # clipping active on some steps only: both speculation outcomes
-    # every unit speculated before the decision: kept on unclipped steps, redone on clipped ones, dropped on the skip
+    # every unit with a spare set from the pool speculated before the decision: kept on unclipped steps, redone (in
+    # place) on clipped ones, dropped on the skip
     awaited = run(tmp_path / "awaited", overlap=True, await_speculation=True, accumulate=accumulate, where=where,
                   moments=moments)
     for rank in (0, 1):
@@ -104,3 +105,16 @@ def test_overlap_equals_synchronous_bitwise(tmp_path, accumulate, where, moments
         natural = run(tmp_path / "natural", overlap=True, accumulate=accumulate, where=where)
         for rank in (0, 1):
             assert_same_bits(natural[rank], sync[rank])
+
+
+def test_overlap_equals_synchronous_when_every_step_is_clipped(tmp_path):
+    # as Qwen3-4B at initialization: no speculation is ever kept, every update runs after the decision
+    sync = run(tmp_path / "sync", overlap=False, clip=0.05)
+    assert all(coef < 1.0 for skipped, coef, _ in sync[0]["outcomes"] if not skipped)
+    awaited = run(tmp_path / "awaited", overlap=True, await_speculation=True, clip=0.05)
+    natural = run(tmp_path / "natural", overlap=True, clip=0.05)
+    for rank in (0, 1):
+        assert_same_bits(awaited[rank], sync[rank])
+        assert_same_bits(natural[rank], sync[rank])
+        assert awaited[rank]["speculations"]["kept"] == 0
+        assert awaited[rank]["speculations"]["redone"] > 0

@@ -78,8 +78,8 @@ def test_unit_costs_by_hand():
                          accum_bytes=4)
     # accelerator: state 6 x (4 + 4 + 4) + grad staging 10 x 2 + param staging 6 x 2 + window sum 10 x 4
     assert bf16 == UnitCost("h.0", 6, 6 * 12 + 10 * 2 + 6 * 2 + 10 * 4, bf16.host_bytes)
-    # host: state and its spare 6 x 24, param staging 6 x 2, grad staging 10 x 2, window sum 10 x 4
-    assert bf16.host_bytes == 6 * 24 + 6 * 2 + 10 * 2 + 10 * 4
+    # host: state 6 x 12 and the spare pool's 1 B each, param staging 6 x 2, grad staging 10 x 2, window sum 10 x 4
+    assert bf16.host_bytes == 6 * 13 + 6 * 2 + 10 * 2 + 10 * 4
     (lion_fp32,) = unit_costs([layout], group_of, param_bytes=4, moment_bytes=2, second_moment=False, overlap=False,
                               accum_bytes=0)
     # fp32 parameters leave from the master itself: no param staging
@@ -93,21 +93,20 @@ def _unit_on_the_host():
     layout = UnitLayout("h.0", (ParamSlot(params[0], 0, 6, 6), ParamSlot(params[1], 6, 4, 4)), 10, ())
     masters = {id(params[0]): torch.arange(6.0), id(params[1]): torch.arange(4.0) + 10}
     unit = build_unit_state(layout, masters, {id(params[0]): 0, id(params[1]): 0}, placement=Placement.HOST,
-                            device=torch.device("cpu"), moments=2, moment_dtype=torch.float32, spare=True,
+                            device=torch.device("cpu"), moments=2, moment_dtype=torch.float32,
                             sums_windows=True, grad_sum_dtype=torch.float32, pin=False)
     unit.state[1].normal_()
     unit.state[2].uniform_()
     return unit
 
 
-def test_relocate_copies_the_state_exactly_and_drops_the_spare():
+def test_relocate_copies_the_state_exactly():
     from lightning_zoff.offload.unit_state import Placement, relocate
 
     unit = _unit_on_the_host()
     before = [t.clone() for t in unit.state]
-    relocate(unit, Placement.ACCELERATOR, torch.device("cpu"), spare=False, grad_sum_dtype=torch.float32, pin=False)
+    relocate(unit, Placement.ACCELERATOR, torch.device("cpu"), grad_sum_dtype=torch.float32, pin=False)
     assert unit.placement is Placement.ACCELERATOR
-    assert unit.spare is None
     assert all(torch.equal(a, b) for a, b in zip(unit.state, before, strict=True))
     assert unit.grad_sum is not None  # windows of several micro-batches still need their sum
     assert torch.equal(unit.grad_sum, torch.zeros(10))
@@ -119,15 +118,14 @@ def test_relocate_that_runs_out_of_memory_changes_nothing(monkeypatch):
     from lightning_zoff.offload.unit_state import Placement, relocate
 
     unit = _unit_on_the_host()
-    state, spare, grad_sum = unit.state, unit.spare, unit.grad_sum
+    state, grad_sum = unit.state, unit.grad_sum
 
     def no_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
     monkeypatch.setattr(unit_state, "_make_buffers", no_memory)
     with pytest.raises(torch.OutOfMemoryError):
-        relocate(unit, Placement.ACCELERATOR, torch.device("cpu"), spare=False, grad_sum_dtype=torch.float32, pin=False)
+        relocate(unit, Placement.ACCELERATOR, torch.device("cpu"), grad_sum_dtype=torch.float32, pin=False)
     assert unit.placement is Placement.HOST
     assert unit.state is state
-    assert unit.spare is spare
     assert unit.grad_sum is grad_sum

@@ -27,7 +27,7 @@ class Traffic:
 
 
 def memory_report(units: list[UnitState], *, grad_sum_dtype: torch.dtype, accumulate_on_accelerator: bool,
-                  sums_windows: bool, retain_device_sum: bool) -> dict[str, float]:
+                  sums_windows: bool, retain_device_sum: bool, spare_bytes: int) -> dict[str, float]:
     """Bytes this rank holds, by kind, and per parameter element of its shard (and per trained element: only the
     parameters the optimizer trains have state)."""
     locals_ = [cast(DTensor, p).to_local() for u in units for p in u.layout.params]
@@ -38,7 +38,7 @@ def memory_report(units: list[UnitState], *, grad_sum_dtype: torch.dtype, accumu
     host = {
         "host_master": sum(u.master.nbytes for u in on_host),
         "host_optimizer_state": sum(t.nbytes for u in on_host for t in u.state[1:]),
-        "host_spare_state": sum(t.nbytes for u in on_host for t in (u.spare or ())),
+        "host_spare_state": spare_bytes,  # overlap's spare pool
         "host_grad_sum": sum(u.grad_sum.nbytes for u in on_host if u.grad_sum is not None),
         "host_staging": sum(u.grad_staging.nbytes + (0 if u.fp32_params else u.param_staging.nbytes) for u in on_host),
     }

@@ -12,16 +12,19 @@ from torch.distributed.tensor import DTensor
 from lightning_zoff.offload.layout import UnitLayout
 
 log = logging.getLogger("lightning_zoff")
+# overlap's spare pool, per trained element: sets of spare state for a few units (scheduler.spare_pool_for)
+SPARE_BYTES_PER_PARAM = 1
 
 
 def host_bytes_per_element(*, param_bytes: int, second_moment: bool, overlap: bool, accum_bytes: int,
                            moment_bytes: int = 4) -> int:
-    """Host bytes per element of a rank's flat shard: fp32 master and the moments (`moment_bytes` each; and their
-    spare copy with overlap), the window's gradient sum (`accum_bytes`: 0 when every window is one micro-batch, whose
-    gradient the kernel reads from the staging buffer), and the staging buffers the copies land in and leave from."""
+    """Host bytes per element of a rank's flat shard: fp32 master and the moments (`moment_bytes` each), with overlap
+    the speculation's spare pool (`SPARE_BYTES_PER_PARAM`), the window's gradient sum (`accum_bytes`: 0 when every
+    window is one micro-batch, whose gradient the kernel reads from the staging buffer), and the staging buffers the
+    copies land in and leave from."""
     state = 4 + moment_bytes * (2 if second_moment else 1)
     staging = param_bytes + (0 if param_bytes == 4 else param_bytes)  # fp32 params go back from the master itself
-    return state * (2 if overlap else 1) + accum_bytes + staging
+    return state + (SPARE_BYTES_PER_PARAM if overlap else 0) + accum_bytes + staging
 
 
 def host_memory_total() -> int:

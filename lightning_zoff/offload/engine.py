@@ -16,7 +16,8 @@
    `accumulate_grad_batches=1` no `grad_sum` is allocated at all). At the window's end, take
    the unit's sum of squares and, with `overlap`, queue a speculative update (`HostScheduler.speculate`): the fused
    kernel runs on the unit as if the step were neither clipped nor skipped and every parameter had a gradient, writing
-   the new master and moments into the unit's `spare` buffers and the 16-bit copy into `param_staging`. The
+   the new master and moments into a set of `spare` buffers lent by the scheduler's pool (a few sets, about 1 B per
+   parameter in all; a unit that finds none skips speculating) and the 16-bit copy into `param_staging`. The
    committed state is never written. Host state exists only for the parameters the optimizer trains (`trained`):
    fp32 master and moments fp32 or bf16 (`moment_dtype`: the kernel computes in fp32 and stores them rounded).
 3. Decision (`step`, after backward). The global norm of the averaged gradient (the units' sums of squares in unit
@@ -25,7 +26,8 @@
    all (as torch skips `.grad is None`): no moment decay, no weight decay, its step count unchanged.
 4. Finalize (`_finalize`, per unit, in the order the next forward needs them). Skip: drop the speculation.
    Otherwise, when the speculation was computed with this very scale, hyperparameters, steps and parameters it is
-   the result; else the kernel runs again from the untouched state. Commit by swapping `spare` with the state, then
+   the result; else the kernel runs in place on the untouched state (the spare set goes back to the pool, or the
+   kept spare set becomes the state and the old state the pool's). Then
    copy the updated 16-bit shards host-to-device on a side stream into FSDP2's sharded parameters. The unit's next
    forward waits for exactly that copy (`gate`), nothing else does.
 A unit whose state is placed on the accelerator (`Placement.ACCELERATOR`) takes the same path there: its shard stays
@@ -56,7 +58,7 @@ from lightning_zoff.offload.fsdp_hooks import UnitHooks, order_after_copy
 from lightning_zoff.offload.landing import GradientLanding
 from lightning_zoff.offload.layout import unit_layouts
 from lightning_zoff.offload.placement import first_that_fit, initial_placement, unit_costs
-from lightning_zoff.offload.scheduler import HostScheduler
+from lightning_zoff.offload.scheduler import HostScheduler, spare_pool_for
 from lightning_zoff.offload.unit_state import (
     ParamState,
     Phase,
@@ -147,7 +149,7 @@ class OffloadEngine(GradientLanding):
         self.units = [
             build_unit_state(layout, masters, group_of, placement=where, device=self._device(where),
                              moments=1 if self.rule is UpdateRule.LION else 2, moment_dtype=moment_dtype,
-                             spare=self.overlap and where is Placement.HOST, sums_windows=self.sums_windows,
+                             sums_windows=self.sums_windows,
                              grad_sum_dtype=self.grad_sum_dtype, pin=pin_memory and where is Placement.HOST)
             for (layout, _), where in zip(layouts, placements, strict=True)
         ]
@@ -155,7 +157,8 @@ class OffloadEngine(GradientLanding):
         on_cuda = self.param_device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.param_device) if on_cuda else None  # D2H, FSDP2's hook runs here
         self.h2d_stream = torch.cuda.Stream(self.param_device) if on_cuda else None
-        self.scheduler = HostScheduler() if self.overlap else None
+        host_units = [unit for unit in self.units if unit.placement is Placement.HOST and unit.trained]
+        self.scheduler = HostScheduler(spare_pool_for(host_units)) if self.overlap else None
         self._hooks: list[UnitHooks] = []
         self._detached = False
         self._landed_order: list[UnitState] = []  # this backward's units, in the order their gradients arrived
@@ -232,12 +235,14 @@ class OffloadEngine(GradientLanding):
                     self._update(unit, key)
                 self._commit(unit, decision.used[unit])
         finally:
+            if self.scheduler is not None:
+                self.scheduler.release(unit)  # a skipped step's speculation
             unit.speculation, unit.sumsq, unit.window_grad = None, None, None
             unit.phase = Phase.EMPTY
             unit.staging_free.set()
 
     def _update(self, unit: UnitState, key: UpdateKey) -> None:
-        """Run the kernel over every run of the key: into `spare` with overlap, in place without."""
+        """Run the kernel over every run of the key: into `spare` when speculating, else in place."""
         if unit.params_copied is not None:  # param_staging still feeds the last step's copy
             if unit.placement is Placement.HOST:
                 unit.params_copied.synchronize()
@@ -260,14 +265,9 @@ class OffloadEngine(GradientLanding):
         updated = [p for p, is_used in zip(unit.trained, used, strict=True) if is_used]
         for param in updated:
             param.step += 1
-        if unit.spare is not None:
-            # what this update did not write keeps its value
-            for param, is_used in zip(unit.trained, used, strict=True):
-                if not is_used:
-                    s, e = param.state_offset, param.state_offset + param.slot.padded_numel
-                    for new, old in zip(unit.spare, unit.state, strict=True):
-                        new[s:e].copy_(old[s:e])
-            unit.swap_spare()
+        if unit.spare is not None:  # a kept speculation: it updated every parameter, as the decision does
+            assert self.scheduler is not None
+            self.scheduler.pool.give_back(unit.swap_spare())
         self._send(unit, updated, non_blocking=True)
 
     def _send(self, unit: UnitState, params: list[TrainedParam], non_blocking: bool) -> None:
@@ -312,7 +312,8 @@ class OffloadEngine(GradientLanding):
     def memory_report(self) -> dict[str, float]:
         return memory_report(self.units, grad_sum_dtype=self.grad_sum_dtype, sums_windows=self.sums_windows,
                              accumulate_on_accelerator=self.accumulate_on_accelerator,
-                             retain_device_sum=self.retain_device_sum)
+                             retain_device_sum=self.retain_device_sum,
+                             spare_bytes=0 if self.scheduler is None else self.scheduler.pool.nbytes)
 
     # -- state, for checkpoints and the next fit ------------------------------------------------------------
 
@@ -347,8 +348,8 @@ class OffloadEngine(GradientLanding):
         for name in names:
             if by_name[name].placement is not placement:
                 try:
-                    relocate(by_name[name], placement, self._device(placement), spare=self.overlap and host,
-                             grad_sum_dtype=self.grad_sum_dtype, pin=self.pin_memory and host)
+                    relocate(by_name[name], placement, self._device(placement), grad_sum_dtype=self.grad_sum_dtype,
+                             pin=self.pin_memory and host)
                 except torch.OutOfMemoryError:
                     break  # the estimate was off: this unit stays as it was (relocate changes nothing on failure)
             moved.append(name)

@@ -3,8 +3,12 @@
 Landings come first (the step waits for every unit's sum of squares), then finalizing (the next forward waits for
 it), then speculation, which only fills idle time: after a unit's window gradient is complete, its update runs as
 if the step will be neither clipped nor skipped, into spare buffers. The step's decision then keeps it (same key)
-or redoes the update from the untouched state. Without overlap, the engine runs the same functions inline and there
-is no scheduler.
+or redoes the update in place from the untouched state. Without overlap, the engine runs the same functions inline
+and there is no scheduler.
+
+Spare buffers come from a `SparePool` of a few sets (about 1 B per trained parameter in all: the CPU can only
+speculate the units whose gradients arrive early in backward anyway); a unit finds none free, its update waits for
+the decision and runs in place, in the order the next forward needs the units, while that forward goes on.
 """
 
 from __future__ import annotations
@@ -12,8 +16,12 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 
+import torch
+
+from lightning_zoff.offload.budget import SPARE_BYTES_PER_PARAM
 from lightning_zoff.offload.unit_state import Phase, UnitState, UpdateKey
 from lightning_zoff.offload.worker import HostWorker
 
@@ -23,8 +31,47 @@ _LAND, _FINALIZE, _SPECULATE = 0, 1, 2
 _SWITCH_INTERVAL_S = 0.0005
 
 
-class HostScheduler:
+class SparePool:
+    """Sets of spare state buffers, lent to one speculating unit at a time, by size. A kept speculation swaps them
+    with the unit's state, and the unit's old state becomes the pool's."""
+
     def __init__(self) -> None:
+        self._free: dict[tuple, list[list[torch.Tensor]]] = {}
+        self.nbytes = 0  # held by the pool's sets, lent or free
+
+    @staticmethod
+    def _key(buffers: list[torch.Tensor]) -> tuple:
+        return tuple((t.numel(), t.dtype) for t in buffers)
+
+    def add(self, like: list[torch.Tensor], sets: int) -> None:
+        for _ in range(sets):
+            self.give_back([torch.zeros_like(t) for t in like])
+            self.nbytes += sum(t.nbytes for t in like)
+
+    def take(self, like: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        free = self._free.get(self._key(like))
+        return free.pop() if free else None
+
+    def give_back(self, buffers: list[torch.Tensor]) -> None:
+        self._free.setdefault(self._key(buffers), []).append(buffers)
+
+
+def spare_pool_for(units: list[UnitState]) -> SparePool:
+    """Spare sets for the most common state size among `units`: about `SPARE_BYTES_PER_PARAM` per trained element in
+    all, at least one set, at most one per unit of that size."""
+    pool = SparePool()
+    sizes = Counter(SparePool._key(unit.state) for unit in units)
+    if sizes:
+        size, count = sizes.most_common(1)[0]
+        like = next(unit.state for unit in units if SparePool._key(unit.state) == size)
+        budget = SPARE_BYTES_PER_PARAM * sum(p.slot.numel for unit in units for p in unit.trained)
+        pool.add(like, min(count, max(1, budget // sum(t.nbytes for t in like))))
+    return pool
+
+
+class HostScheduler:
+    def __init__(self, pool: SparePool) -> None:
+        self.pool = pool
         self.worker = HostWorker()
         self._switch_interval = sys.getswitchinterval()  # what `close` restores
         sys.setswitchinterval(min(self._switch_interval, _SWITCH_INTERVAL_S))
@@ -57,6 +104,9 @@ class HostScheduler:
         def task() -> None:
             if window != self.window or unit.phase is Phase.EMPTY:
                 return  # decided already: finalizing does the exact work
+            unit.spare = self.pool.take(unit.state)
+            if unit.spare is None:
+                return  # every set is lent: this unit's update waits for the decision
             speculated = key()
             update(unit, speculated)
             unit.speculation = speculated
@@ -74,14 +124,22 @@ class HostScheduler:
         """The window's step is decided: its speculations not yet run are stale."""
         self.window += 1
 
-    def judge(self, unit: UnitState, key: UpdateKey) -> str | None:
-        """"kept" when the unit's speculation is the decided update, "redone" when it is not, None when there was
-        none; counted in `speculations`."""
+    def judge(self, unit: UnitState, key: UpdateKey | None) -> str | None:
+        """"kept" when the unit's speculation is the decided update, "redone" when it is not (`key` None: the step
+        is skipped), None when there was none; counted in `speculations`. Only a kept one keeps its spare buffers."""
         if unit.speculation is None:
             return None
         outcome = "kept" if unit.speculation == key else "redone"
         self.speculations[outcome] += 1
+        if outcome == "redone":
+            self.release(unit)
         return outcome
+
+    def release(self, unit: UnitState) -> None:
+        """The unit's spare buffers go back to the pool, unused."""
+        if unit.spare is not None:
+            self.pool.give_back(unit.spare)
+            unit.spare = None
 
     def finalize(self, task: Callable[[], None]) -> None:
         self.worker.submit(_FINALIZE, task)

@@ -94,7 +94,7 @@ class UnitState:
     trained: list[TrainedParam]  # in flat order
     grad_spans: list[tuple[int, int]]  # runs of the flat gradient the trained parameters cover (their norm)
     state: list[torch.Tensor]  # [master fp32, exp_avg, exp_avg_sq]; Lion has no exp_avg_sq; moments fp32 or bf16
-    spare: list[torch.Tensor] | None  # overlap: buffers the next state goes into (then the two swap)
+    spare: list[torch.Tensor] | None  # a speculation's buffers, lent by the SparePool until the step is decided
     # sum of this window's micro-batch gradients (a sum over ranks too); fp32 by default; None until a window of
     # several micro-batches needs it
     grad_sum: torch.Tensor | None
@@ -131,17 +131,18 @@ class UnitState:
         """The parameter's unpadded rows in one of the unit's state-laid buffers (master, moments, param_staging)."""
         return flat[param.state_offset : param.state_offset + param.slot.numel]
 
-    def swap_spare(self) -> None:
-        """Make the spare buffers (a finished update) the state; the old state becomes the next spare."""
+    def swap_spare(self) -> list[torch.Tensor]:
+        """Make the spare buffers (a kept speculation) the state; returns the old state, for the pool."""
         assert self.spare is not None
         fp32_params = self.fp32_params
-        self.state, self.spare = self.spare, self.state
+        old, self.state, self.spare = self.state, self.spare, None
         if fp32_params:
             self.param_staging = self.master
+        return old
 
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor the unit holds for the optimizer (what its memory is)."""
-        tensors = [*self.state, *(self.spare or ()), self.grad_staging]
+        tensors = [*self.state, self.grad_staging]  # (a lent spare set is the pool's)
         tensors += [] if self.grad_sum is None else [self.grad_sum]
         return tensors + ([] if self.fp32_params else [self.param_staging])
 
@@ -155,7 +156,6 @@ def build_unit_state(
     device: torch.device,
     moments: int,
     moment_dtype: torch.dtype,
-    spare: bool,
     sums_windows: bool,
     grad_sum_dtype: torch.dtype,
     pin: bool,
@@ -185,37 +185,35 @@ def build_unit_state(
     param_dtype = (layout.slots[0].param if layout.slots else layout.frozen[0]).dtype
     unit = UnitState(layout, placement, trained, spans, state, spare=None, grad_sum=None,
                      grad_staging=state[0], param_staging=state[0], used=[False] * len(layout.slots))
-    _make_buffers(unit, param_dtype, device, spare=spare, sums_windows=sums_windows, grad_sum_dtype=grad_sum_dtype,
-                  pin=pin)
+    _make_buffers(unit, param_dtype, device, sums_windows=sums_windows, grad_sum_dtype=grad_sum_dtype, pin=pin)
     unit.staging_free.set()
     return unit
 
 
-def relocate(unit: UnitState, placement: Placement, device: torch.device, *, spare: bool, grad_sum_dtype: torch.dtype,
-             pin: bool) -> None:
+def relocate(unit: UnitState, placement: Placement, device: torch.device, *, grad_sum_dtype: torch.dtype, pin: bool
+             ) -> None:
     """Move the unit's state to `device` (exact copies) and make its buffers there; on failure nothing changes.
     Between windows only."""
     assert unit.phase is Phase.EMPTY
     assert unit.speculation is None
+    assert unit.spare is None
     param_dtype = unit.grad_staging.dtype
-    before = (unit.state, unit.placement, unit.spare, unit.grad_sum, unit.grad_staging, unit.param_staging)
+    before = (unit.state, unit.placement, unit.grad_sum, unit.grad_staging, unit.param_staging)
     try:
         unit.state = [t.to(device, copy=True) for t in unit.state]  # pageable, as built: only the copies' buffers pin
         unit.placement = placement
-        _make_buffers(unit, param_dtype, device, spare=spare, sums_windows=unit.grad_sum is not None,
+        _make_buffers(unit, param_dtype, device, sums_windows=unit.grad_sum is not None,
                       grad_sum_dtype=grad_sum_dtype, pin=pin)
     except BaseException:  # out of memory on the way: the unit stays as it was
-        unit.state, unit.placement, unit.spare, unit.grad_sum, unit.grad_staging, unit.param_staging = before
+        unit.state, unit.placement, unit.grad_sum, unit.grad_staging, unit.param_staging = before
         raise
     unit.grad_copied = unit.params_copied = None
 
 
-def _make_buffers(unit: UnitState, param_dtype: torch.dtype, device: torch.device, *, spare: bool,
-                  sums_windows: bool, grad_sum_dtype: torch.dtype, pin: bool) -> None:
-    """The unit's working buffers next to its state: the spare copy (overlap), the window's gradient sum, the
-    staging buffers the gradient lands in and the 16-bit parameters leave from."""
-    # the spare starts as a copy, so the rows no update writes (padding) agree in both
-    unit.spare = [t.clone() for t in unit.state] if spare else None
+def _make_buffers(unit: UnitState, param_dtype: torch.dtype, device: torch.device, *, sums_windows: bool,
+                  grad_sum_dtype: torch.dtype, pin: bool) -> None:
+    """The unit's working buffers next to its state: the window's gradient sum, the staging buffers the gradient lands
+    in and the 16-bit parameters leave from."""
     n = unit.layout.flat_numel
     unit.grad_sum = host_empty(n, grad_sum_dtype, device, pin).zero_() if sums_windows else None
     unit.grad_staging = host_empty(n, param_dtype, device, pin)
