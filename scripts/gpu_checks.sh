@@ -64,6 +64,10 @@ for stage in "$@"; do
       timeout ${BENCH_TIMEOUT:-580} python3 scripts/bench.py --model gpt13b --batch 4 --accumulate 1 --steps 20 --warmup 2 --runs zoff deepspeed_zero3_offload_ratio --ratios 0.5 0.6 0.7 0.8 --out "$OUT/issue17_gpt13b.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/issue17_gpt13b.txt" ;;
     issue17_cap24)  # a 24 GB GPU's budget, gpt7b
       timeout ${BENCH_TIMEOUT:-560} python3 scripts/bench.py --model gpt7b --batch 1 --accumulate 1 --steps 4 --warmup 1 --gpu-memory-gb 24 --runs zoff deepspeed_zero3_offload deepspeed_zero2_offload --out "$OUT/issue17_gpt7b_24gb.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/issue17_gpt7b_24gb.txt" ;;
+    issue18)  # overlap with the spare pool, all state on the host: gpt7b fp32 moments, qwen3_4b (clipped every step), gpt1b acc 4
+      timeout 300 python3 scripts/bench.py --model gpt7b --batch 4 --accumulate 1 --steps 5 --warmup 2 --runs zoff_host_only zoff_sync --out "$OUT/issue18_gpt7b.json" 2>&1 | grep -v "^INFO" | tail -6 | tee "$OUT/issue18.txt"
+      timeout 150 python3 scripts/bench.py --model qwen3_4b --accumulate 1 --steps 5 --warmup 2 --runs zoff_host_only zoff_sync --out "$OUT/issue18_qwen3_4b.json" 2>&1 | grep -v "^INFO" | tail -6 | tee -a "$OUT/issue18.txt"
+      timeout 150 python3 scripts/bench.py --model gpt1b --accumulate 4 --steps 5 --warmup 2 --runs gpu_only zoff_host_only --out "$OUT/issue18_gpt1b_acc4.json" 2>&1 | grep -v "^INFO" | tail -6 | tee -a "$OUT/issue18.txt" ;;
     finetune7b)  # a fine-tune of the 7B shape's last 2 blocks: host state for those only
       timeout 240 python3 scripts/check_capacity.py --model gpt7b --train-last 2 --steps 8 --batch 4 \
           --out "$OUT/finetune_gpt7b_last2.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/finetune_gpt7b.txt" ;;
