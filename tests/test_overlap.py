@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from lightning_zoff import ZoffPrecision, ZoffStrategy
-from tiny import TinyModule, token_loader
+from lightning_zoff.examples.gpt import GPTModule
+from lightning_zoff.offload.budget import host_bytes_per_element
+from tiny import SEQ, VOCAB, TinyModule, token_loader
 
 STEPS, BAD_STEP = 20, 7
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -118,3 +120,26 @@ def test_overlap_equals_synchronous_when_every_step_is_clipped(tmp_path):
         assert_same_bits(natural[rank], sync[rank])
         assert awaited[rank]["speculations"]["kept"] == 0
         assert awaited[rank]["speculations"]["redone"] > 0
+
+
+class MemoryReport(pl.Callback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(trainer.strategy.engine.memory_report(), self.out / f"memory{trainer.global_rank}.pt")
+
+
+def test_overlap_holds_at_most_17_bytes_per_parameter_on_a_deep_gpt(tmp_path):
+    # issue 18's bound on a GPT's shape (24 equal blocks): a bf16 model, fp32 moments, accumulate 1, overlap on
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ZoffStrategy(start_method="fork"),
+                         precision="bf16-true", max_steps=2, callbacks=[MemoryReport(tmp_path)], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    module = GPTModule(vocab_size=VOCAB, block_size=SEQ, n_layer=24, n_head=2, n_embd=32, bias=False)
+    trainer.fit(module, token_loader(n=16))
+    bound = host_bytes_per_element(param_bytes=2, second_moment=True, overlap=True, accum_bytes=0)
+    assert bound == 17  # state 12, the spare pool 1, staging 2 + 2
+    for rank in (0, 1):
+        memory = torch.load(tmp_path / f"memory{rank}.pt")
+        assert memory["host_spare_state"] > 0  # the pool exists: speculation still has somewhere to write
+        assert memory["host_bytes_per_trained_param"] <= bound, memory
