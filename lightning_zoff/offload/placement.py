@@ -15,7 +15,7 @@ On a CPU "accelerator" (tests) "auto" means "none": there is nothing to gain.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -55,24 +55,21 @@ def margin_bytes(total: int) -> int:
 
 def first_by_fraction(costs: Sequence[UnitCost], fraction: float) -> list[str]:
     """The first units (forward order) whose trained elements stay within `fraction` of all."""
-    limit = fraction * sum(c.trained for c in costs)
-    chosen, taken = [], 0
-    for cost in costs:
-        if taken + cost.trained > limit + 0.5:
-            break
-        chosen.append(cost.name)
-        taken += cost.trained
-    return chosen
+    return _first_within(costs, lambda c: c.trained, fraction * sum(c.trained for c in costs) + 0.5)
 
 
 def first_that_fit(costs: Sequence[UnitCost], free_bytes: int) -> list[str]:
     """The first units (forward order) whose accelerator bytes fit in `free_bytes` together."""
-    chosen, taken = [], 0
+    return _first_within(costs, lambda c: c.accelerator_bytes, free_bytes)
+
+
+def _first_within(costs: Sequence[UnitCost], size: Callable[[UnitCost], float], limit: float) -> list[str]:
+    chosen, taken = [], 0.0
     for cost in costs:
-        if taken + cost.accelerator_bytes > free_bytes:
+        if taken + size(cost) > limit:
             break
         chosen.append(cost.name)
-        taken += cost.accelerator_bytes
+        taken += size(cost)
     return chosen
 
 
