@@ -181,10 +181,13 @@ def test_optimizer_state_on_the_accelerator_matches_ddp(tmp_path, ddp_losses, fr
 class PlaceMoreAfterTheFirstStep(pl.Callback):
     """Does what accelerator_state="auto" does on a GPU after the first step, with room for the first unit only."""
 
+    placed = False
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         engine = trainer.strategy.engine
-        if trainer.global_step == 1 and engine._seen_forward is not None:
-            first = engine._seen_forward[0]  # the unit the forward entered first
+        if trainer.global_step == 1 and not self.placed:
+            self.placed = True
+            first = engine.forward_order[0]  # the unit the forward entered first
             assert engine.place_more(engine.costs[first].accelerator_bytes) == [first]
 
 

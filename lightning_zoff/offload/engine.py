@@ -126,7 +126,7 @@ class OffloadEngine(GradientLanding):
         # units by name, in the order a forward enters them: guessed (`forward_order`) until the gates saw one
         guess = {name: i for i, name in enumerate(forward_order or ())}
         self.forward_order = sorted((layout.name for layout, _ in layouts), key=lambda n: guess.get(n, len(guess)))
-        self._seen_forward: list[str] | None = []  # recorded by the gates during the first forward
+        self._seen_forward: list[str] | None = []  # recorded by the gates until the first forward entered every unit
         self.costs = {c.name: c for c in unit_costs(
             [layout for layout, _ in layouts], group_of, param_bytes=params[0].element_size() if params else 2,
             moment_bytes=moment_dtype.itemsize, second_moment=self.rule is not UpdateRule.LION, overlap=self.overlap,
@@ -289,6 +289,8 @@ class OffloadEngine(GradientLanding):
         unit = self.units[index]
         if self._seen_forward is not None and unit.layout.name not in self._seen_forward:
             self._seen_forward.append(unit.layout.name)
+            if len(self._seen_forward) == len(self._hooks):  # seen whole: forwards stop paying for the record
+                self._take_seen_forward()
         if self.scheduler is not None:
             self.gate_wait_s += self.scheduler.wait_finalized(unit)
         order_after_copy(unit.params_copied, self._modules[index], self.param_device)
@@ -358,11 +360,14 @@ class OffloadEngine(GradientLanding):
     def place_more(self, free_bytes: int) -> list[str]:
         """Move the host's units that come first in the forward order (as the first forward showed it) to the
         accelerator while their state fits in `free_bytes`; the names moved."""
-        seen, self._seen_forward = self._seen_forward or [], None
-        self.forward_order = seen + [name for name in self.forward_order if name not in seen]
+        self._take_seen_forward()
         on_host = {unit.layout.name for unit in self.units if unit.placement is Placement.HOST and unit.trained}
         chosen = first_that_fit([self.costs[n] for n in self.forward_order if n in on_host], free_bytes)
         return self.move(chosen, Placement.ACCELERATOR)
+
+    def _take_seen_forward(self) -> None:
+        seen, self._seen_forward = self._seen_forward or [], None
+        self.forward_order = seen + [name for name in self.forward_order if name not in seen]
 
     def placement_summary(self) -> dict[str, tuple[int, int]]:
         """Per placement ("host", "accelerator"): units with trained parameters, and their state's bytes there."""
