@@ -14,6 +14,8 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_zoff._compat import checkpoint_activations_of, direct_tensors, hf_init_weights, replace_direct_tensor
+from lightning_zoff.offload.layout import padded_shard_numel
+from lightning_zoff.offload.memory_plan import UnitShape
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -132,6 +134,24 @@ def shard_model(
             raise RuntimeError(f"zoff: shard of {name} is {tuple(local.shape)}, expected"
                                f" {tuple(master.shape)}; FSDP2 sharded it differently than dim-0 chunks.")
     return {id(sharded[name]): master for name, master in masters.items()}
+
+
+def unit_shapes_before_sharding(model: nn.Module, units: list[tuple[str, nn.Module]], world_size: int,
+                                param_bytes: int) -> tuple[list[UnitShape], int]:
+    """Each unit's shape on a rank as the engine will see it once sharded, assuming the optimizer trains every
+    parameter that requires a gradient (an upper bound of its state), and the bytes of the rank's shards of the
+    model; from shapes alone, so a model on the meta device costs nothing to plan."""
+    taken: dict[str, torch.Tensor] = {}
+    shapes, model_bytes = [], 0
+    for unit_name, _ in units:  # the order shard_model takes them in: a unit owns what no earlier unit took
+        reduced = 0
+        for name, p in _untaken(model, f"{unit_name}." if unit_name else "", taken):
+            taken[name] = p
+            padded = padded_shard_numel(p.shape, world_size)
+            model_bytes += padded * param_bytes
+            reduced += padded if p.requires_grad else 0
+        shapes.append(UnitShape(unit_name, reduced, reduced, True))
+    return shapes, model_bytes
 
 
 def _untaken(model: nn.Module, prefix: str, taken: dict[str, torch.Tensor]) -> list[tuple[str, nn.Parameter]]:

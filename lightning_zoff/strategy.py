@@ -31,10 +31,25 @@ from lightning_zoff.checks import (
 from lightning_zoff.cpus import CpuLayout, torch_threads
 from lightning_zoff.node_log import log_for_node
 from lightning_zoff.offload import OffloadEngine, StepOutcome, describe_memory
-from lightning_zoff.offload.placement import accelerator_room, parse_accelerator_state
+from lightning_zoff.offload.memory_plan import (
+    Machine,
+    MemoryPlan,
+    StateOptions,
+    accelerator_holds_all,
+    measure_machine,
+    plan_memory,
+)
+from lightning_zoff.offload.placement import Placement, parse_accelerator_state
 from lightning_zoff.precision import ZoffPrecision
 from lightning_zoff.schedulers import SkipAwareScheduler
-from lightning_zoff.sharding import ParamInitFn, checkpoint_activations, is_sharded, plan_units, shard_model
+from lightning_zoff.sharding import (
+    ParamInitFn,
+    checkpoint_activations,
+    is_sharded,
+    plan_units,
+    shard_model,
+    unit_shapes_before_sharding,
+)
 from lightning_zoff.strategy_checkpoint import CheckpointingStrategy
 from lightning_zoff.strategy_processes import ProcessGroupStrategy
 from lightning_zoff.telemetry import StepTimer, step_metrics
@@ -55,7 +70,10 @@ class ZoffStrategy(CheckpointingStrategy, ProcessGroupStrategy):
             Every unit there takes 28 B/param (fp32 moments) of traffic off the host, zoff's bottleneck.
         wrap_policy: module classes that become FSDP2 units; default: the repeated children of `nn.ModuleList`s.
         activation_checkpointing_policy: module classes whose activations are recomputed in backward instead of
-            kept (torch's composable `checkpoint`, applied before sharding; parameter names do not change).
+            kept (torch's composable `checkpoint`, applied before sharding; parameter names do not change);
+            ``"auto"`` (default): the blocks the wrap policy made units, when the accelerator cannot hold all the
+            optimizer state beside the model (the host takes state then, and the host's update, not the accelerator,
+            sets the pace: the room activations leave is worth more as state); ``None``: none.
         start_method: ``"subprocess"`` re-runs the script per rank (Lightning's default); ``"fork"``/``"spawn"``
             start ranks with multiprocessing (fork is the fast choice for CPU tests).
         weights_to_main_process: with ``"fork"``/``"spawn"``/``"forkserver"``: after ``fit``, gather the trained fp32
@@ -107,7 +125,7 @@ class ZoffStrategy(CheckpointingStrategy, ProcessGroupStrategy):
         offload: bool = True,
         accelerator_state: Literal["auto", "none"] | float = "auto",
         wrap_policy: set[type[nn.Module]] | list[type[nn.Module]] | None = None,
-        activation_checkpointing_policy: set[type[nn.Module]] | list[type[nn.Module]] | None = None,
+        activation_checkpointing_policy: set[type[nn.Module]] | list[type[nn.Module]] | Literal["auto"] | None = "auto",
         start_method: StartMethod = "subprocess",
         weights_to_main_process: bool = False,
         pin_memory: bool = True,
@@ -130,9 +148,13 @@ class ZoffStrategy(CheckpointingStrategy, ProcessGroupStrategy):
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.offload = bool(offload)
         self.accelerator_state = parse_accelerator_state(accelerator_state)
-        self._placing_after_first_step = False
+        self._placing_by_peak = False  # "auto" on a GPU: after the next step, by its measured peak
+        self._moved_back = False
+        self._machine: Machine | None = None
         self.wrap_policy = set(wrap_policy) if wrap_policy else None
-        self.activation_checkpointing_policy = set(activation_checkpointing_policy or ())
+        self.checkpoint_activations_auto = activation_checkpointing_policy == "auto"
+        self.activation_checkpointing_policy: set[type[nn.Module]] = (
+            set() if self.checkpoint_activations_auto else set(activation_checkpointing_policy or ()))  # type: ignore[arg-type]
         self.start_method = start_method
         self.weights_to_main_process = weights_to_main_process
         self.pin_memory = bool(pin_memory)
@@ -199,6 +221,11 @@ class ZoffStrategy(CheckpointingStrategy, ProcessGroupStrategy):
         if not is_sharded(module):
             self._close_engine()  # an earlier fit's, of another model
             self._units = plan_units(module, self.wrap_policy)
+            self._machine = measure_machine(self.root_device, self.num_processes)
+            if trainer.state.fn == TrainerFn.FITTING and self.offload:
+                plan = self._check_plan_before_sharding(module, trainer.accumulate_grad_batches)
+                if self.checkpoint_activations_auto and not accelerator_holds_all(plan):
+                    self._checkpoint_the_blocks(module, plan)
             checkpoint_activations(module, self.activation_checkpointing_policy)
             mesh = init_device_mesh(self.root_device.type, (self.world_size,))
             assert self._cpu_layout is not None  # set in setup_environment
@@ -213,6 +240,32 @@ class ZoffStrategy(CheckpointingStrategy, ProcessGroupStrategy):
         # FSDP2's unsharded parameters must not become inference tensors, or a later fit cannot use them.
         for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
             loop.inference_mode = False
+
+    def _checkpoint_the_blocks(self, module: nn.Module, plan: MemoryPlan) -> None:
+        top_level = set(module.children())
+        self.activation_checkpointing_policy = {type(unit) for _, unit in self._units if unit not in top_level}
+        state = plan.with_placement({s.name: Placement.ACCELERATOR for s in plan.shapes}).accelerator_bytes
+        log_for_node(f"activation checkpointing of {sorted(c.__name__ for c in self.activation_checkpointing_policy)}"
+                     f" (activation_checkpointing_policy='auto'): the optimizer state ({state / 1e9:.1f} GB) and the"
+                     f" model ({plan.model_bytes / 1e9:.1f} GB) do not fit the accelerator together"
+                     f" ({(plan.machine.accelerator_capacity or 0) / 1e9:.1f} GB), so activations make room for state",
+                     self.global_rank, self.local_rank, self.num_processes)
+
+    def _check_plan_before_sharding(self, module: nn.Module, accumulate_grad_batches: int) -> MemoryPlan:
+        """Refuse a model whose optimizer state cannot fit this machine before any of it (or the sharded model) is
+        allocated: the engine's plan, assuming the optimizer trains every parameter that requires a gradient."""
+        assert self._machine is not None
+        param_bytes = self.precision_plugin.param_dtype.itemsize
+        shapes, model_bytes = unit_shapes_before_sharding(module, self._units, self.world_size, param_bytes)
+        order = {name: i for i, name in enumerate(self._forward_order())}
+        options = StateOptions(
+            param_bytes=param_bytes, moment_bytes=MOMENT_DTYPES[self.optimizer_state_dtype].itemsize, moments=2,
+            sum_bytes=ACCUM_DTYPES[self.grad_accum_dtype].itemsize if accumulate_grad_batches > 1 else 0,
+            sum_on_accelerator=self.grad_accum_on == "accelerator",
+            retain_device_sum=self.retain_gpu_grad_partition_until_step, overlap=self.overlap, pin=self.pin_memory)
+        return plan_memory(sorted(shapes, key=lambda s: order.get(s.name, len(order))), options, self._machine,
+                           self.accelerator_state, model_bytes=model_bytes,
+                           masters_bytes=model_bytes * 4 // param_bytes)
 
     def _check_supported(self, trainer: Any, module: Any) -> None:
         check_supported(trainer, module)  # the launchers call it too, before any rank starts
@@ -247,11 +300,11 @@ class ZoffStrategy(CheckpointingStrategy, ProcessGroupStrategy):
             self.engine = self._build_engine(state_device, threads, trainer.accumulate_grad_batches)
         self.engine.attach()
         self._masters = {}
-        self._placing_after_first_step = (self.offload and self.accelerator_state == "auto"
-                                          and self.root_device.type == "cuda")
+        self._placing_by_peak = (self.offload and self.accelerator_state == "auto"
+                                 and self.root_device.type == "cuda")
         self._log_memory()
-        self._log_placement("at setup" + (", more after the first step" if self._placing_after_first_step else ""),
-                            always=self._placing_after_first_step)
+        self._log_placement("at setup" + (", more after the first step" if self._placing_by_peak else ""),
+                            always=self.offload)
         for config in self.lr_scheduler_configs:
             if config.interval == "step" and not isinstance(config.scheduler, SkipAwareScheduler):
                 # steps the wrapped scheduler as Lightning would, minus the skipped steps
@@ -270,7 +323,7 @@ class ZoffStrategy(CheckpointingStrategy, ProcessGroupStrategy):
             moment_dtype=MOMENT_DTYPES[self.optimizer_state_dtype], accumulate_grad_batches=accumulate_grad_batches,
             accumulate_on_accelerator=self.grad_accum_on == "accelerator",
             retain_device_sum=self.retain_gpu_grad_partition_until_step, threads=threads, overlap=self.overlap,
-            ranks_on_node=self.num_processes, accelerator_state=self.accelerator_state if self.offload else "none",
+            machine=self._machine, accelerator_state=self.accelerator_state if self.offload else "none",
             forward_order=self._forward_order(),
         )
 
@@ -298,11 +351,19 @@ class ZoffStrategy(CheckpointingStrategy, ProcessGroupStrategy):
             self._cpu_layout = self._plan_cpu_layout()
         return self._cpu_layout.kernel_threads
 
-    def _place_by_first_step(self) -> None:
+    def _place_by_peak(self) -> None:
+        """"auto" on a GPU, after a step: more state to the accelerator if the step's peak left room beside the margin,
+        some back to the host if it ate into it; after a move, the next step is checked again."""
         assert self.engine is not None
-        room = accelerator_room(self.root_device)
-        self.engine.place_more(room.free)
-        self._log_placement(room.describe(), always=True)
+        peak = torch.cuda.max_memory_reserved(self.root_device)
+        there, back = self.engine.place_by_peak(peak, more=not self._moved_back)
+        self._moved_back = self._moved_back or bool(back)  # never forth again: no oscillation
+        self._placing_by_peak = bool(there or back)
+        if back:
+            torch.cuda.empty_cache()  # the cached blocks of the state moved back would count in the next peak
+        torch.cuda.reset_peak_memory_stats(self.root_device)  # the next check reads the next step alone
+        moved = f"{len(there)} moved there" if there else f"{len(back)} moved back" if back else "none moved"
+        self._log_placement(f"the step peaked at {peak / 1e9:.1f} GB, {moved}", always=True)
 
     def _log_placement(self, why: str, always: bool) -> None:
         assert self.engine is not None
@@ -370,9 +431,8 @@ class ZoffStrategy(CheckpointingStrategy, ProcessGroupStrategy):
         if precision.scaler is not None:
             precision.scaler.update(overflow=self.last_step.skipped)
         self._log_step(precision.loss_scale)
-        if self._placing_after_first_step:
-            self._placing_after_first_step = False
-            self._place_by_first_step()
+        if self._placing_by_peak:
+            self._place_by_peak()
         if self.last_step.skipped:
             log.warning("zoff: non-finite gradient (norm %s) at step %d: step skipped, nothing changed%s",
                         self.last_step.grad_norm, self._module.trainer.global_step,

@@ -120,13 +120,26 @@ def inexact_because(name: str, zoff_options: dict) -> str | None:
     return None
 
 
-def build_run(name: str, model_name: str, zoff_options: dict, accumulate: int = 1, ratio: float | None = None):
+def model_spec(model_name: str, layers: int | None = None) -> dict:
+    """The model's shape, with `layers` blocks instead of its own if given (GPTs only)."""
+    spec = dict(MODELS[model_name])
+    if layers is not None:
+        if "hf" in spec:
+            raise SystemExit(f"--layers: {model_name} is a Hugging Face preset; choose a GPT shape")
+        spec["n_layer"] = layers
+    return spec
+
+
+def build_run(name: str, model_name: str, zoff_options: dict, accumulate: int = 1, ratio: float | None = None,
+              layers: int | None = None, checkpointing: bool = False):
     """(module factory taking the Trainer, strategy, precision) of one run: the same model and AdamW
-    hyperparameters (lr 1e-4, betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on matrices) everywhere."""
+    hyperparameters (lr 1e-4, betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on matrices) everywhere. With
+    `checkpointing`, zoff recomputes each block's activations in backward (its activation_checkpointing_policy); the
+    other runs are built as they are (their limit at this size is host memory, which activations do not touch)."""
     import torch
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    spec = dict(MODELS[model_name])
+    spec = model_spec(model_name, layers)
     if "hf" in spec:
         from lightning_zoff.examples.hf import HFCausalLM as Family
 
@@ -177,6 +190,12 @@ def build_run(name: str, model_name: str, zoff_options: dict, accumulate: int = 
         from lightning_zoff import ZoffStrategy
 
         options = {**ZOFF_VARIANTS.get(name, {}), **zoff_options}
+        if checkpointing:
+            if "hf" in spec:
+                raise SystemExit("--activation-checkpointing: GPT shapes only")
+            from lightning_zoff.examples.gpt import Block
+
+            options["activation_checkpointing_policy"] = {Block}
         strategy = ZoffStrategy(**options, offload=name != "zoff_no_offload")
 
         def build_on_meta(trainer):
@@ -221,7 +240,8 @@ def cap_gpu_memory(gpu_memory_gb: float | None) -> None:
 
 
 def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int, batch: int, devices: int,
-            zoff_options: dict, ratio: float | None = None, gpu_memory_gb: float | None = None) -> dict:
+            zoff_options: dict, ratio: float | None = None, gpu_memory_gb: float | None = None,
+            layers: int | None = None, checkpointing: bool = False) -> dict:
     import lightning.pytorch as pl
     import torch
 
@@ -229,7 +249,7 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
     from lightning_zoff.examples.corpus import SyntheticDataModule
 
     cap_gpu_memory(gpu_memory_gb)
-    cfg = MODELS[model_name]
+    cfg = model_spec(model_name, layers)
     if "hf" in cfg:
         from lightning_zoff.examples.hf import hf_config
 
@@ -304,7 +324,8 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
             self.step_start, self.opt_start = None, None
 
     pl.seed_everything(0)
-    build_module, strategy, precision = build_run(name, model_name, zoff_options, accumulate, ratio)
+    build_module, strategy, precision = build_run(name, model_name, zoff_options, accumulate, ratio, layers,
+                                                  checkpointing)
     data = SyntheticDataModule(vocab_size=cfg["vocab_size"], block_size=cfg["block_size"], batch_size=batch,
                                num_samples=devices * (batch * accumulate * (steps + warmup) + batch))
     # DeepSpeed counts every micro-batch as an optimizer step (Lightning calls its step after each)
@@ -333,7 +354,8 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
         phase_source = "callback"
     why_inexact = inexact_because(name, zoff_options)
     result = {
-        "name": name, "model": model_name, "accumulate": accumulate, "batch": batch, "gpu_memory_gb": gpu_memory_gb,
+        "name": name, "model": model_name, "layers": cfg.get("n_layer"), "activation_checkpointing": checkpointing,
+        "accumulate": accumulate, "batch": batch, "gpu_memory_gb": gpu_memory_gb,
         "exact": why_inexact is None, "step_s_median": step_s, "step_s_mean": statistics.fmean(timer.steps[measured]),
         "devices": devices, "rank": trainer.global_rank,
         "tokens_per_s": devices * batch * accumulate * cfg["block_size"] / step_s,  # all ranks together
@@ -427,7 +449,8 @@ def run_child(args: argparse.Namespace, name: str, accumulate: int, steps: int, 
     """One run in a process of its own (CUDA, DeepSpeed's globals and the host memory start fresh each time): its
     result, or its entry with "error", "outcome" and the tail of its stderr."""
     exact = inexact_because(name, parse_options(args.zoff_option)) is None
-    entry = {"name": name, "model": args.model, "accumulate": accumulate, "batch": args.batch,
+    entry = {"name": name, "model": args.model, "layers": model_spec(args.model, args.layers).get("n_layer"),
+             "activation_checkpointing": args.activation_checkpointing, "accumulate": accumulate, "batch": args.batch,
              "gpu_memory_gb": args.gpu_memory_gb, "exact": exact}
     if ratio is not None:
         entry["ratio"] = ratio
@@ -441,6 +464,10 @@ def run_child(args: argparse.Namespace, name: str, accumulate: int, steps: int, 
         cmd += ["--ratio", str(ratio)]
     if args.gpu_memory_gb is not None:
         cmd += ["--gpu-memory-gb", str(args.gpu_memory_gb)]
+    if args.layers is not None:
+        cmd += ["--layers", str(args.layers)]
+    if args.activation_checkpointing:
+        cmd += ["--activation-checkpointing"]
     started = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
@@ -558,6 +585,9 @@ def main() -> None:
                         help="cap every run's GPU memory at N GiB (emulates a smaller GPU)")
     parser.add_argument("--ratios", type=float, nargs="+", default=list(RATIOS),
                         help="offload_optimizer.ratio values deepspeed_zero3_offload_ratio searches (one: no search)")
+    parser.add_argument("--layers", type=int, default=None, help="the GPT's blocks, instead of the model's own")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="zoff runs recompute each block's activations in backward")
     parser.add_argument("--run-timeout-s", type=float, default=None,
                         help="kill a run (its whole process tree) after this many seconds and record it as timed out")
     parser.add_argument("--out", type=Path, default=None)
@@ -571,7 +601,8 @@ def main() -> None:
     zoff_options = parse_options(args.zoff_option)
     if args.one:  # child: one run, result as the last stdout line
         result = run_one(args.one, args.model, args.accumulate[0], args.steps, args.warmup, args.batch, args.devices,
-                         zoff_options, ratio=args.ratio, gpu_memory_gb=args.gpu_memory_gb)
+                         zoff_options, ratio=args.ratio, gpu_memory_gb=args.gpu_memory_gb, layers=args.layers,
+                         checkpointing=args.activation_checkpointing)
         if result["rank"] == 0:  # the other ranks (re-run by Lightning from this command line) share stdout
             print("RESULT " + json.dumps(result), flush=True)
         return

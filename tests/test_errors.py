@@ -121,52 +121,6 @@ def test_uneven_predict_is_refused(tmp_path):
         trainer.predict(module, token_loader(n=5, batch_size=2))  # samples 3 + 2: batches 2 + 1
 
 
-def test_host_bytes_per_element_by_design():
-    from lightning_zoff.offload.budget import host_bytes_per_element
-
-    # bf16 Adam: state 12 (+1 for overlap's spare pool), fp32 window sum 4, staging 2 down + 2 up
-    assert host_bytes_per_element(param_bytes=2, second_moment=True, overlap=True, accum_bytes=4) == 21
-    assert host_bytes_per_element(param_bytes=2, second_moment=True, overlap=False, accum_bytes=4) == 20
-    assert host_bytes_per_element(param_bytes=2, second_moment=False, overlap=False, accum_bytes=2) == 14  # Lion
-    assert host_bytes_per_element(param_bytes=4, second_moment=True, overlap=False, accum_bytes=4) == 20  # 32-true
-    # bf16 moments (2 B each), and no window sum when every window is one micro-batch
-    assert host_bytes_per_element(param_bytes=2, second_moment=True, overlap=True, accum_bytes=4, moment_bytes=2) == 17
-    # issue 18's bounds with overlap at accumulate 1: 17 B/param with fp32 moments, 13 with bf16 ones
-    assert host_bytes_per_element(param_bytes=2, second_moment=True, overlap=True, accum_bytes=0) == 17
-    assert host_bytes_per_element(param_bytes=2, second_moment=True, overlap=True, accum_bytes=0, moment_bytes=2) == 13
-    assert host_bytes_per_element(param_bytes=2, second_moment=True, overlap=False, accum_bytes=0, moment_bytes=2) == 12
-    options = dict(param_bytes=2, second_moment=False, overlap=False, accum_bytes=0)
-    assert host_bytes_per_element(**options, moment_bytes=2) == 10
-
-
-def test_a_7b_model_on_128_gb_is_told_what_fits(monkeypatch):
-    from lightning_zoff.offload.budget import check_host_budget
-
-    monkeypatch.setenv("ZOFF_HOST_MEMORY_BYTES", str(128 * 10**9))
-    with pytest.raises(MemoryError, match=(
-        r"needs 147\.0 GB .* 7,000,000,000 elements x 21 B\) but the machine has 128\.0 GB\. Options: overlap=False"
-        r" \(140\.0 GB\); optimizer_state_dtype='bf16' \(119\.0 GB\); grad_accum_dtype='bf16' or 'fp16' \(133\.0 GB\);"
-        r" all of these \(98\.0 GB\); accelerator_state=<a fraction> \(that share of the state stays on the GPU"
-        r" instead\); more nodes")):
-        check_host_budget(7 * 10**9, 1, param_bytes=2, second_moment=True, overlap=True, accum_bytes=4, moment_bytes=4)
-    check_host_budget(7 * 10**9, 1, param_bytes=2, second_moment=True, overlap=False, accum_bytes=4, moment_bytes=2)
-
-
-def test_a_fine_tune_is_charged_for_its_trained_elements_only(monkeypatch):
-    from lightning_zoff.offload.budget import check_host_budget
-
-    # 7B elements, the last blocks' 0.4B trained: 15 B for each trained one (master, moments, the spare pool's 1 B,
-    # staging out) and 2 B of gradient staging for each reduced one; the frozen rest costs nothing on the host
-    monkeypatch.setenv("ZOFF_HOST_MEMORY_BYTES", str(5 * 10**9))
-    with pytest.raises(MemoryError, match=r"needs 6\.8 GB .* x 400,000,000 trained elements \(6,600,000,000 more are"
-                                          r" frozen or outside the optimizer and keep no host state\) x 17 B\)"):
-        check_host_budget(4 * 10**8, 1, param_bytes=2, second_moment=True, overlap=True, accum_bytes=0, moment_bytes=4,
-                          untrained=66 * 10**8)
-    monkeypatch.setenv("ZOFF_HOST_MEMORY_BYTES", str(8 * 10**9))
-    check_host_budget(4 * 10**8, 1, param_bytes=2, second_moment=True, overlap=False, accum_bytes=0, moment_bytes=4,
-                      untrained=66 * 10**8)
-
-
 def test_bf16_moments_with_a_beta_that_cannot_decay_warn():
     from lightning_zoff.optim import UpdateRule
     from lightning_zoff.optim.rules import warn_if_bf16_moments_cannot_decay
@@ -183,10 +137,18 @@ def test_bf16_moments_with_a_beta_that_cannot_decay_warn():
         warn_if_bf16_moments_cannot_decay(UpdateRule.LION, torch.optim.AdamW(params, betas=(0.999, 0.99)))
 
 
-def test_model_larger_than_host_memory_stops_before_training(monkeypatch):
-    monkeypatch.setenv("ZOFF_HOST_MEMORY_BYTES", str(100_000))  # the forked rank inherits it
-    with fails(MemoryError, r"needs 0\.\d GB of host memory .* machine has 0\.0 GB\. Options: overlap=False .*"
-                            r"optimizer_state_dtype='bf16' \(0\.\d GB\).*more nodes"):
+def test_model_larger_than_host_memory_is_refused_before_it_is_sharded(monkeypatch):
+    from lightning_zoff import strategy
+    from lightning_zoff.offload.memory_plan import PlanDoesNotFit
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model must not be sharded (nor its fp32 copies made) when the plan cannot fit")
+
+    monkeypatch.setattr(strategy, "shard_model", never)  # the forked rank inherits both
+    monkeypatch.setenv("ZOFF_HOST_MEMORY_BYTES", str(100_000))
+    # 32-true: 16 B per element (master, moments, the 4-byte gradient); nothing fits on no memory but more ranks
+    with fails(PlanDoesNotFit, r"does not fit the host \(0\.\d MB needed, 0\.0 MB usable\).*16 B per element on the"
+                               r" host.*more ranks \(GPUs or nodes\) split the state among them\.$"):
         run(NoStep())
 
 

@@ -13,7 +13,8 @@ from torch.multiprocessing import ProcessRaisedException
 import lightning_zoff
 import tiny
 from lightning_zoff import ZoffStrategy
-from lightning_zoff.offload.budget import host_bytes_per_element
+from lightning_zoff.offload.memory_plan import StateOptions, host_bytes_per_element
+from lightning_zoff.offload.placement import Placement
 from tiny import SEQ, VOCAB, Probe, TinyModule, read_probe, token_loader
 
 
@@ -78,10 +79,10 @@ def test_bf16_moments_follow_fp32_training_with_less_host_memory(tmp_path, ddp_l
     assert zoff["losses"][-1] < zoff["losses"][0] - 0.3
     mem = zoff["memory"]
     assert mem["host_optimizer_state"] == mem["host_master"]  # two 2-byte moments per 4-byte master element
-    # overlap's spare pool: a set of one unit's state (master and moments), not a copy of every unit's (2 x master)
+    # overlap's spare sets: one unit's state (master and moments) for every two of the 4 units, not a copy of each
     assert 0 < mem["host_spare_state"] < mem["host_master"]
-    # 32-true without the pool, accumulating 2 in fp32: 4 + 2 x 2 state, 4 window sum, 4 staging
-    expected = host_bytes_per_element(param_bytes=4, second_moment=True, overlap=False, accum_bytes=4, moment_bytes=2)
+    # 32-true without the sets, accumulating 2 in fp32: 4 + 2 x 2 state, 4 window sum, the 4-byte gradient landing
+    expected = host_bytes_per_element(StateOptions(param_bytes=4, moment_bytes=2, moments=2, sum_bytes=4))
     assert expected == 16
     assert mem["host_total"] == expected * mem["host_master"] // 4 + mem["host_spare_state"]
 
@@ -188,7 +189,7 @@ class PlaceMoreAfterTheFirstStep(pl.Callback):
         if trainer.global_step == 1 and not self.placed:
             self.placed = True
             first = engine.forward_order[0]  # the unit the forward entered first
-            assert engine.place_more(engine.costs[first].accelerator_bytes) == [first]
+            assert engine.move([first], Placement.ACCELERATOR) == [first]
 
 
 def test_state_moved_to_the_accelerator_between_steps_matches_ddp(tmp_path, ddp_losses):

@@ -12,6 +12,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zoff.optim
+from lightning_zoff.offload.placement import Placement
+
+ACCELERATOR = Placement.ACCELERATOR
 
 VOCAB, DIM, SEQ = 64, 32, 16
 # large enough that Adam's update depends on the gradient's scale, so a wrong 1/world or clip factor shows
@@ -125,6 +128,8 @@ class Probe(Callback):
         if engine is not None:
             engine.wait_idle()
             info["memory"] = engine.memory_report()
+            info["held"] = engine.held_bytes()  # what its tensors hold, per side
+            info["planned"] = {"host": engine.plan.host_bytes, "accelerator": engine.plan.state_on(ACCELERATOR)}
             info["state_devices"] = sorted({str(t.device) for u in engine.units for t in u.buffers()})
             info["state_dtypes"] = sorted({str(t.dtype) for u in engine.units for t in u.state})
             info["placements"] = {u.layout.name: u.placement.value for u in engine.units if u.trained}

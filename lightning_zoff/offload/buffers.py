@@ -1,9 +1,16 @@
-"""Host buffers: pinned when possible, because only pinned memory copies asynchronously at full PCIe speed."""
+"""Host buffers: pinned when possible, because only pinned memory copies asynchronously at full PCIe speed.
+
+Pinned buffers are plain host allocations of their exact size, registered with CUDA (`cudaHostRegister`) and
+unregistered when freed. torch's pinned allocator would round each one up to a power of two (a 630 MB unit buffer
+takes 1 GiB) and keep freed blocks cached, so the memory plan would not be what the process holds, and a unit moved to
+the accelerator would not give its host memory back to the OS.
+"""
 
 from __future__ import annotations
 
 import resource
 import warnings
+import weakref
 
 import torch
 
@@ -16,22 +23,44 @@ def _memlock_limit() -> str:
 
 
 def host_empty(numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
-    """An uninitialised flat tensor on `device`; pinned if `pin` and the OS allows it, else pageable with a warning."""
+    """An uninitialised flat tensor on `device`; on the host pinned if `pin` and the OS allows it, else pageable with a
+    warning."""
     if device.type != "cpu" or not pin or not torch.cuda.is_available():
         return torch.empty(numel, dtype=dtype, device=device)
-    try:
-        return torch.empty(numel, dtype=dtype, pin_memory=True)
-    except RuntimeError as err:
-        global _warned_pageable
-        if not _warned_pageable:
-            _warned_pageable = True
-            warnings.warn(
-                f"zoff could not pin host memory ({err}); the memlock limit is {_memlock_limit()}. Falling back to"
-                " pageable memory: copies between GPU and host become synchronous and several times slower."
-                " Raise the limit (`ulimit -l unlimited`, or `--ulimit memlock=-1` for containers) to fix it.",
-                stacklevel=2,
-            )
-        return torch.empty(numel, dtype=dtype)
+    tensor = torch.empty(numel, dtype=dtype)
+    if tensor.nbytes == 0:
+        return tensor
+    error = _register(tensor)
+    if error is not None:
+        _warn_pageable(error)
+    return tensor
+
+
+def _register(tensor: torch.Tensor) -> str | None:
+    """Pin `tensor`'s pages until the tensor object is freed; None, or why it could not."""
+    cudart = torch.cuda.cudart()
+    ptr, nbytes = tensor.data_ptr(), tensor.nbytes
+    status = cudart.cudaHostRegister(ptr, nbytes, 0)
+    if int(status) != 0:
+        clear_last_error = getattr(cudart, "cudaGetLastError", None)
+        if clear_last_error is not None:  # or a later kernel launch check reports this failure as its own
+            clear_last_error()
+        return f"cudaHostRegister returned {status}"
+    # weakref callbacks run before the tensor's memory is freed: the pages are unpinned first, then returned
+    weakref.finalize(tensor, cudart.cudaHostUnregister, ptr)
+    return None
+
+
+def _warn_pageable(error: str) -> None:
+    global _warned_pageable
+    if not _warned_pageable:
+        _warned_pageable = True
+        warnings.warn(
+            f"zoff could not pin host memory ({error}); the memlock limit is {_memlock_limit()}. Falling back to"
+            " pageable memory: copies between GPU and host become synchronous and several times slower."
+            " Raise the limit (`ulimit -l unlimited`, or `--ulimit memlock=-1` for containers) to fix it.",
+            stacklevel=3,
+        )
 
 
 def record_event(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:

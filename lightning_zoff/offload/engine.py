@@ -6,7 +6,8 @@
    this backward and gives the others a zero one, so every rank reduces the same tensors (`on_grads_noted`). We copy
    the shard, still in the parameter dtype (2 B/param in 16-bit modes), into the unit's pinned `grad_staging`
    without blocking, record an event and hand the unit to the host worker (`_land`; the
-   worker, its priorities and the speculation: `scheduler.py`; this backward half: `landing.py`). With
+   worker, its priorities and the speculation: `scheduler.py`; this backward half: `landing.py`). The accelerator
+   then frees FSDP2's copy as the next unit arrives, instead of holding every unit's gradient to the end. With
    `accumulate_on_accelerator`, the hook instead adds each shard into an fp32 buffer on the accelerator and the
    host receives the sum once, at the window's end (or after every micro-batch, freeing the buffer in between,
    unless `retain_device_sum`).
@@ -16,10 +17,10 @@
    `accumulate_grad_batches=1` no `grad_sum` is allocated at all). At the window's end, take
    the unit's sum of squares and, with `overlap`, queue a speculative update (`HostScheduler.speculate`): the fused
    kernel runs on the unit as if the step were neither clipped nor skipped and every parameter had a gradient, writing
-   the new master and moments into a set of `spare` buffers lent by the scheduler's pool (a few sets, about 1 B per
-   parameter in all; a unit that finds none skips speculating) and the 16-bit copy into `param_staging`. The
-   committed state is never written. Host state exists only for the parameters the optimizer trains (`trained`):
-   fp32 master and moments fp32 or bf16 (`moment_dtype`: the kernel computes in fp32 and stores them rounded).
+   the new master, moments and 16-bit copy into a set of `spare` buffers lent by the scheduler's pool (as many sets as
+   the memory plan has room for; a unit that finds none skips speculating). The committed state is never written.
+   Host state exists only for the parameters the optimizer trains (`trained`): fp32 master and moments fp32 or bf16
+   (`moment_dtype`: the kernel computes in fp32 and stores them rounded).
 3. Decision (`step`, after backward). The global norm of the averaged gradient (the units' sums of squares in unit
    order, all-reduced with every parameter's used-in-the-window flag) decides: skip when it is not finite, else
    one combined scale 1/world x clip factor. A parameter no rank gave a gradient in the window is not updated at
@@ -27,15 +28,16 @@
 4. Finalize (`_finalize`, per unit, in the order the next forward needs them). Skip: drop the speculation.
    Otherwise, when the speculation was computed with this very scale, hyperparameters, steps and parameters it is
    the result; else the kernel runs in place on the untouched state (the spare set goes back to the pool, or the
-   kept spare set becomes the state and the old state the pool's). Then
-   copy the updated 16-bit shards host-to-device on a side stream into FSDP2's sharded parameters. The unit's next
+   kept spare set becomes the state and the old state the pool's). In place, the kernel writes the 16-bit copy over
+   the gradient it just read (`param_staging` is `grad_staging` where their layouts agree). Then copy the updated
+   16-bit shards host-to-device on a side stream into FSDP2's sharded parameters. The unit's next
    forward waits for exactly that copy (`gate`), nothing else does.
-A unit whose state is placed on the accelerator (`Placement.ACCELERATOR`) takes the same path there: its shard stays
-on the accelerator, lands and updates inline with torch ops (no spare, no worker), and the copy into FSDP2's shard
-is queued after the update on the accelerator's streams.
+A unit whose state is placed on the accelerator (`Placement.ACCELERATOR`) takes the same path there: FSDP2's reduced
+shard is held as it is (`held_grad`), and the update runs inline with torch ops (no spare, no worker) in pieces
+through one fp32 workspace, then casts the master into FSDP2's shards, all on the training stream.
+Every buffer is in the memory plan (`memory_plan.py`), which chose each unit's placement before any was allocated.
 A unit's state and its phase in the window (EMPTY, SUMMING, READY, FINALIZING) are a `UnitState`
-(`unit_state.py`); what the engine moved and holds is counted in `accounting.py`, checked against the machine in
-`budget.py`.
+(`unit_state.py`); what the engine moved is counted in `accounting.py`.
 Without `overlap` the same functions run inline: landing right after backward, the update in place at the step.
 The kernels, their inputs and the order of every sum are the same, so both paths give the same bits.
 """
@@ -43,26 +45,37 @@ The kernels, their inputs and the order of every sum are the same, so both paths
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from lightning_zoff.offload.accounting import Traffic, describe_memory, memory_report
-from lightning_zoff.offload.budget import check_unit_budget, host_memory_total
-from lightning_zoff.offload.buffers import record_event
+from lightning_zoff.offload.accounting import Traffic, describe_memory
+from lightning_zoff.offload.buffers import host_empty, record_event
 from lightning_zoff.offload.decision import Decision, StepOutcome, decide
 from lightning_zoff.offload.fsdp_hooks import UnitHooks, order_after_copy
 from lightning_zoff.offload.landing import GradientLanding
 from lightning_zoff.offload.layout import unit_layouts
-from lightning_zoff.offload.placement import first_that_fit, initial_placement, unit_costs
-from lightning_zoff.offload.scheduler import HostScheduler, spare_pool_for
+from lightning_zoff.offload.memory_plan import (
+    UPDATE_PIECE,
+    Machine,
+    StateOptions,
+    fewer_for_accelerator,
+    measure_machine,
+    more_for_accelerator,
+    plan_memory,
+    unit_shape,
+)
+from lightning_zoff.offload.scheduler import HostScheduler, SparePool
 from lightning_zoff.offload.unit_state import (
     ParamState,
     Phase,
     Placement,
+    SpareSet,
     TrainedParam,
     UnitState,
     UpdateKey,
@@ -76,10 +89,17 @@ from lightning_zoff.optim.update import update
 
 __all__ = ["OffloadEngine", "StepOutcome", "describe_memory"]
 
+log = logging.getLogger("lightning_zoff")
+
+
+def cast_local(param: nn.Parameter) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
+
 
 class OffloadEngine(GradientLanding):
     """Holds one rank's fp32 master shard and optimizer state and runs the update for every FSDP2 unit. `masters`
-    (fp32 shards by id of the sharded parameter) is emptied as the state takes them over."""
+    (fp32 shards by id of the sharded parameter) is emptied as the state takes them over. `machine`: what this rank
+    may use (default: measured now); `accelerator_state`: see `placement.py`."""
 
     def __init__(
         self,
@@ -97,7 +117,7 @@ class OffloadEngine(GradientLanding):
         accumulate_on_accelerator: bool = False,
         retain_device_sum: bool = False,
         overlap: bool = True,
-        ranks_on_node: int = 1,
+        machine: Machine | None = None,
         accelerator_state: str | float = "none",
         forward_order: Sequence[str] | None = None,
     ) -> None:
@@ -127,44 +147,63 @@ class OffloadEngine(GradientLanding):
         guess = {name: i for i, name in enumerate(forward_order or ())}
         self.forward_order = sorted((layout.name for layout, _ in layouts), key=lambda n: guess.get(n, len(guess)))
         self._seen_forward: list[str] | None = []  # recorded by the gates until the first forward entered every unit
-        self.costs = {c.name: c for c in unit_costs(
-            [layout for layout, _ in layouts], group_of, param_bytes=params[0].element_size() if params else 2,
-            moment_bytes=moment_dtype.itemsize, second_moment=self.rule is not UpdateRule.LION, overlap=self.overlap,
-            accum_bytes=self.grad_sum_dtype.itemsize if self.sums_windows else 0)}
-        on_accelerator = initial_placement(
-            [self.costs[n] for n in self.forward_order], accelerator_state,
-            accelerator_is_cpu=self.param_device.type == "cpu",
-            # room for what else a rank holds (Python, CUDA, data): the host takes 85% of its share at most
-            host_capacity=int(0.85 * host_memory_total()) // ranks_on_node or None)
-        placements = [Placement.ACCELERATOR if state_device.type != "cpu" or layout.name in on_accelerator
-                      else Placement.HOST for layout, _ in layouts]
-        if Placement.HOST in placements:
-            on_host = [layout for (layout, _), at in zip(layouts, placements, strict=True) if at is Placement.HOST]
-            check_unit_budget(on_host, group_of, ranks_on_node,
-                              second_moment=self.rule is not UpdateRule.LION, overlap=self.overlap,
-                              accum_bytes=self.grad_sum_dtype.itemsize if self.sums_windows else 0,
-                              moment_bytes=moment_dtype.itemsize)
+        by_name = {layout.name: layout for layout, _ in layouts}
+        locals_ = [cast_local(p) for p in params]
+        self.plan = plan_memory(
+            [unit_shape(by_name[name], group_of) for name in self.forward_order],
+            StateOptions(param_bytes=params[0].element_size() if params else 2, moment_bytes=moment_dtype.itemsize,
+                         moments=1 if self.rule is UpdateRule.LION else 2,
+                         sum_bytes=self.grad_sum_dtype.itemsize if self.sums_windows else 0,
+                         sum_on_accelerator=accumulate_on_accelerator, retain_device_sum=retain_device_sum,
+                         overlap=self.overlap, pin=pin_memory),
+            machine or measure_machine(self.param_device, 1), accelerator_state,
+            model_bytes=sum(t.nbytes for t in locals_), lion=self.rule is UpdateRule.LION,
+            masters_bytes=sum(t.nbytes for t in masters.values()), all_on_accelerator=state_device.type != "cpu")
         if moment_dtype == torch.bfloat16:
             warn_if_bf16_moments_cannot_decay(self.rule, optimizer)
-        self.units = [
-            build_unit_state(layout, masters, group_of, placement=where, device=self._device(where),
-                             moments=1 if self.rule is UpdateRule.LION else 2, moment_dtype=moment_dtype,
-                             sums_windows=self.sums_windows,
-                             grad_sum_dtype=self.grad_sum_dtype, pin=pin_memory and where is Placement.HOST)
-            for (layout, _), where in zip(layouts, placements, strict=True)
-        ]
+        # the accelerator's units first: their fp32 copies leave the host before the host's state grows
+        built: dict[str, UnitState] = {}
+        for layout, _ in sorted(layouts, key=lambda lm: self.plan.placement[lm[0].name] is Placement.HOST):
+            where = self.plan.placement[layout.name]
+            built[layout.name] = build_unit_state(
+                layout, masters, group_of, placement=where, device=self._device(where),
+                moments=1 if self.rule is UpdateRule.LION else 2, moment_dtype=moment_dtype,
+                sums_windows=self.sums_windows, grad_sum_dtype=self.grad_sum_dtype,
+                pin=pin_memory and where is Placement.HOST)
+        self.units = [built[layout.name] for layout, _ in layouts]
         self._modules = [module for _, module in layouts]
         on_cuda = self.param_device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.param_device) if on_cuda else None  # D2H, FSDP2's hook runs here
         self.h2d_stream = torch.cuda.Stream(self.param_device) if on_cuda else None
-        host_units = [unit for unit in self.units if unit.placement is Placement.HOST and unit.trained]
-        self.scheduler = HostScheduler(spare_pool_for(host_units)) if self.overlap else None
+        self.compute_stream = torch.cuda.current_stream(self.param_device) if on_cuda else None
+        self.scheduler = HostScheduler(SparePool()) if self.overlap else None
+        self._spare_trained = 0  # the size the pool's sets are made for
+        self._resize_pool()
         self._hooks: list[UnitHooks] = []
         self._detached = False
         self._landed_order: list[UnitState] = []  # this backward's units, in the order their gradients arrived
 
     def _device(self, placement: Placement) -> torch.device:
         return self.state_device if placement is Placement.HOST else self.param_device
+
+    def _resize_pool(self) -> None:
+        """Make the spare sets the plan has room for (between steps)."""
+        if self.scheduler is None:
+            return
+        pool, shape = self.scheduler.pool, self.plan.spare_shape
+        trained = 0 if shape is None else shape.trained
+        if trained != self._spare_trained:
+            pool.resize(0, self._spare_set)  # sets of another size serve no unit now
+            self._spare_trained = trained
+        pool.resize(self.plan.spare_sets, self._spare_set)
+
+    def _spare_set(self) -> SpareSet:
+        n, pin = self._spare_trained, self.pin_memory
+        moments = [self.moment_dtype] * (1 if self.rule is UpdateRule.LION else 2)
+        state = [torch.empty(n, dtype=dtype, device=self.state_device) for dtype in [torch.float32, *moments]]
+        param_dtype = self.units[0].param_dtype if self.units else torch.float32
+        out = None if param_dtype == torch.float32 else host_empty(n, param_dtype, self.state_device, pin)
+        return SpareSet(state, out)
 
     # -- backward -------------------------------------------------------------------------------------------
 
@@ -242,22 +281,28 @@ class OffloadEngine(GradientLanding):
             unit.staging_free.set()
 
     def _update(self, unit: UnitState, key: UpdateKey) -> None:
-        """Run the kernel over every run of the key: into `spare` when speculating, else in place."""
-        if unit.params_copied is not None:  # param_staging still feeds the last step's copy
-            if unit.placement is Placement.HOST:
-                unit.params_copied.synchronize()
-            else:
-                torch.cuda.current_stream(unit.device).wait_event(unit.params_copied)
-        grad, state = unit.window_grad, unit.state
+        """Run the update over every run of the key: into the spare set when speculating, else in place. On the host one
+        kernel call per run (its threads split it); on the accelerator in pieces, through a bounded fp32 workspace."""
+        on_host = unit.placement is Placement.HOST
+        if on_host and unit.params_copied is not None:  # param_staging still feeds the last step's copy
+            unit.params_copied.synchronize()
+        grad, state, spare = unit.window_grad, unit.state, unit.spare
         assert grad is not None
+        out = spare.out if spare is not None else unit.param_staging
+        if unit.fp32_params:
+            out = None  # the master is what goes to the accelerator
         start = time.perf_counter()
         for run, hyper in zip(key.runs, key.hyper, strict=True):
-            s, e, g = run.state_start, run.state_start + run.numel, slice(run.grad_start, run.grad_start + run.numel)
-            into = None if unit.spare is None else tuple(t[s:e] for t in unit.spare)
-            update(self.rule, hyper, run.step, state[0][s:e], grad[g], state[1][s:e],
-                   None if len(state) == 2 else state[2][s:e], grad_scale=key.scale,
-                   out=None if unit.fp32_params else unit.param_staging[s:e], into=into, threads=self.threads,
-                   on_host=unit.placement is Placement.HOST)
+            piece = run.numel if on_host else UPDATE_PIECE
+            for offset in range(0, run.numel, piece):
+                numel = min(piece, run.numel - offset)
+                s, e = run.state_start + offset, run.state_start + offset + numel
+                g = slice(run.grad_start + offset, run.grad_start + offset + numel)
+                update(self.rule, hyper, run.step, state[0][s:e], grad[g], state[1][s:e],
+                       None if len(state) == 2 else state[2][s:e], grad_scale=key.scale,
+                       out=None if out is None else out[s:e],
+                       into=None if spare is None else tuple(t[s:e] for t in spare.state), threads=self.threads,
+                       on_host=on_host)
         self.traffic.add(cpu_update_s=time.perf_counter() - start)
 
     def _commit(self, unit: UnitState, used: list[bool]) -> None:
@@ -265,20 +310,29 @@ class OffloadEngine(GradientLanding):
         updated = [p for p, is_used in zip(unit.trained, used, strict=True) if is_used]
         for param in updated:
             param.step += 1
-        if unit.spare is not None:  # a kept speculation: it updated every parameter, as the decision does
-            assert self.scheduler is not None
-            self.scheduler.pool.give_back(unit.swap_spare())
-        self._send(unit, updated, non_blocking=True)
+        if unit.spare is None:
+            self._send(unit, updated, unit.param_staging, non_blocking=True)
+            return
+        # a kept speculation (it updated every parameter, as the decision does): its state becomes the unit's, and the
+        # unit's old state, with the spare's 16-bit copy once it reached the accelerator, the pool's next set
+        assert self.scheduler is not None
+        returned = unit.swap_spare()
+        self._send(unit, updated, returned.out if returned.out is not None else unit.master, non_blocking=True)
+        returned.sent = unit.params_copied
+        self.scheduler.pool.give_back(returned)
 
-    def _send(self, unit: UnitState, params: list[TrainedParam], non_blocking: bool) -> None:
-        """Copy the parameters' 16-bit rows from `param_staging` into FSDP2's sharded parameters."""
-        stream = self.h2d_stream
-        if stream is not None and unit.placement is Placement.ACCELERATOR:
-            stream.wait_stream(torch.cuda.current_stream(unit.device))  # the update that wrote param_staging
+    def _send(self, unit: UnitState, params: list[TrainedParam], source: torch.Tensor | None, non_blocking: bool
+              ) -> None:
+        """Copy the parameters' rows of `source` (laid out as the master) into FSDP2's sharded parameters: from the host
+        on a side stream; on the accelerator the master itself, cast, on the training stream after the update."""
+        on_host = unit.placement is Placement.HOST
+        source = source if on_host else unit.master
+        assert source is not None
+        stream = self.h2d_stream if on_host else self.compute_stream
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             for param in params:
                 local = param.slot.local
-                local.copy_(unit.rows(param, unit.param_staging).view_as(local), non_blocking=non_blocking)
+                local.copy_(unit.rows(param, source).view_as(local), non_blocking=non_blocking)
         unit.params_copied = record_event(stream)
 
     # -- forward --------------------------------------------------------------------------------------------
@@ -312,10 +366,24 @@ class OffloadEngine(GradientLanding):
         return seconds
 
     def memory_report(self) -> dict[str, float]:
-        return memory_report(self.units, grad_sum_dtype=self.grad_sum_dtype, sums_windows=self.sums_windows,
-                             accumulate_on_accelerator=self.accumulate_on_accelerator,
-                             retain_device_sum=self.retain_device_sum,
-                             spare_bytes=0 if self.scheduler is None else self.scheduler.pool.nbytes)
+        """The plan's bytes by kind and side, with this rank's share of the model."""
+        report = self.plan.report()
+        locals_ = [cast_local(p) for unit in self.units for p in unit.layout.params]
+        local_numel = sum(t.numel() for t in locals_)
+        report["local_params"] = local_numel
+        report["accelerator_params"] = sum(t.nbytes for t in locals_)
+        report["accelerator_bytes_per_param"] = report["accelerator_params"] / max(local_numel, 1)
+        report["host_bytes_per_param"] = report["host_total"] / max(local_numel, 1)
+        return report
+
+    def held_bytes(self) -> dict[str, int]:
+        """What the engine's tensors hold now, per side (between steps; what the plan says they hold)."""
+        held = {placement.value: 0 for placement in Placement}
+        for unit in self.units:
+            held[unit.placement.value] += sum(t.nbytes for t in unit.buffers())
+        if self.scheduler is not None:
+            held[Placement.HOST.value] += sum(t.nbytes for t in self.scheduler.pool.free_buffers())
+        return held
 
     # -- state, for checkpoints and the next fit ------------------------------------------------------------
 
@@ -336,34 +404,47 @@ class OffloadEngine(GradientLanding):
         """Make every trained shard on the accelerator the cast of its master again (after the masters were loaded)."""
         self.wait_idle()
         for unit in self.units:
-            if not unit.fp32_params:
+            if unit.param_staging is not None and not unit.fp32_params:
                 unit.param_staging.copy_(unit.master)
-            self._send(unit, unit.trained, non_blocking=False)
+            self._send(unit, unit.trained, unit.param_staging, non_blocking=False)
+
+    # -- placement ------------------------------------------------------------------------------------------
 
     def move(self, names: Sequence[str], placement: Placement) -> list[str]:
-        """Move the named units' state to `placement`, in that order (exact copies; between steps); the names moved.
-        Should the accelerator run out of memory on the way, the units not moved yet stay where they are."""
+        """Move the named units' state to `placement`, in that order (exact copies; between steps), each leaving no
+        copy behind, and size the spare sets for the host's room then; the names moved. Should the accelerator run
+        out of memory on the way, the units not moved yet stay where they are."""
         self.wait_idle()
         by_name = {unit.layout.name: unit for unit in self.units}
+        names = [name for name in names if by_name[name].placement is not placement]
+        if placement is Placement.HOST:  # room for them first: the spare sets the host no longer has room for go
+            self.plan = self.plan.moved(names, placement)
+            self._resize_pool()
         moved = []
-        host = placement is Placement.HOST
         for name in names:
-            if by_name[name].placement is not placement:
-                try:
-                    relocate(by_name[name], placement, self._device(placement), grad_sum_dtype=self.grad_sum_dtype,
-                             pin=self.pin_memory and host)
-                except torch.OutOfMemoryError:
-                    break  # the estimate was off: this unit stays as it was (relocate changes nothing on failure)
+            try:
+                relocate(by_name[name], placement, self._device(placement), grad_sum_dtype=self.grad_sum_dtype,
+                         pin=self.pin_memory and placement is Placement.HOST)
+            except torch.OutOfMemoryError:
+                break  # the estimate was off: this unit stays as it was (relocate changes nothing on failure)
             moved.append(name)
+        self.plan = self.plan.with_placement({**self.plan.placement, **{n: by_name[n].placement for n in names}})
+        self._resize_pool()
         return moved
 
-    def place_more(self, free_bytes: int) -> list[str]:
-        """Move the host's units that come first in the forward order (as the first forward showed it) to the
-        accelerator while their state fits in `free_bytes`; the names moved."""
+    def place_by_peak(self, peak: int, more: bool = True) -> tuple[list[str], list[str]]:
+        """After a step whose accelerator memory peaked at `peak` bytes (the state there included): when the step ate
+        into the margin, move the accelerator's last units (forward order, as the first forward showed it) back;
+        else, with `more`, the host's first units to the accelerator while the margin stays free. The names moved
+        (there, back)."""
         self._take_seen_forward()
-        on_host = {unit.layout.name for unit in self.units if unit.placement is Placement.HOST and unit.trained}
-        chosen = first_that_fit([self.costs[n] for n in self.forward_order if n in on_host], free_bytes)
-        return self.move(chosen, Placement.ACCELERATOR)
+        order = {name: i for i, name in enumerate(self.forward_order)}
+        self.plan = self.plan.reordered(sorted(self.plan.shapes, key=lambda s: order[s.name]))
+        back = fewer_for_accelerator(self.plan, peak)
+        if back:
+            return [], self.move(back, Placement.HOST)
+        there = more_for_accelerator(self.plan, peak) if more else []
+        return self.move(there, Placement.ACCELERATOR), []
 
     def _take_seen_forward(self) -> None:
         seen, self._seen_forward = self._seen_forward or [], None
@@ -374,8 +455,7 @@ class OffloadEngine(GradientLanding):
         summary = {p.value: (0, 0) for p in Placement}
         for unit in self.units:
             if unit.trained:
-                cost = self.costs[unit.layout.name]
-                size = cost.host_bytes if unit.placement is Placement.HOST else cost.accelerator_bytes
+                size = sum(self.plan.buffers(unit.layout.name).values())
                 count, total = summary[unit.placement.value]
                 summary[unit.placement.value] = (count + 1, total + size)
         return summary

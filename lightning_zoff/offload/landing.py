@@ -28,6 +28,7 @@ class GradientLanding:
     grad_sum_dtype: torch.dtype
     param_device: torch.device
     copy_stream: torch.cuda.Stream | None
+    compute_stream: torch.cuda.Stream | None  # the training loop's: where the accelerator's units update
     _landed_order: list[UnitState]
 
     def _grad_sum(self, unit: UnitState) -> torch.Tensor:
@@ -55,22 +56,41 @@ class GradientLanding:
                 f"zoff: unit {unit.layout.name!r} reduced {flat_grad.numel()} gradient elements, expected"
                 f" {unit.layout.flat_numel}; this torch version lays out FSDP2 shards differently."
             )
+        if self._landed_order:  # FSDP2 made the last unit's gradients its `.grad`s by now: the engine has them
+            self._drop_accelerator_grads(self._landed_order[-1])
         unit.staging_free.wait()  # the worker still reads the previous micro-batch's shard (rare: it keeps up)
         unit.staging_free.clear()
         window_ends = self.window_ends
-        on_host = unit.placement is Placement.HOST
-        if not on_host or not self.accumulate_on_accelerator or (window_ends and unit.phase is Phase.EMPTY):
-            # host accumulation, or a window of one micro-batch: the 16-bit shard goes down as it is (or, for a unit
-            # whose state is on the accelerator, is kept there: FSDP2 reuses `flat_grad`)
+        if unit.placement is Placement.ACCELERATOR:
+            unit.held_grad = flat_grad  # kept as FSDP2 made it: the update reads it there
+            self._keep_until_read(flat_grad, self.compute_stream)
+        elif not self.accumulate_on_accelerator or (window_ends and unit.phase is Phase.EMPTY):
+            # host accumulation, or a window of one micro-batch: the 16-bit shard goes down as it is
+            assert unit.grad_staging is not None
             unit.grad_staging.copy_(flat_grad, non_blocking=True)
-            self.traffic.add(d2h_bytes=unit.grad_staging.nbytes if on_host else 0)
+            self.traffic.add(d2h_bytes=unit.grad_staging.nbytes)
         else:
             self._accumulate_on_accelerator(unit, flat_grad, window_ends)
+        # the accelerator may reuse the shard's memory once this stream's copies are done, not before
+        self._keep_until_read(flat_grad, self.copy_stream)
         unit.grad_copied = record_event(self.copy_stream)
         self._landed_order.append(unit)
         if self.scheduler is not None and self._on_worker(unit):
             event = unit.grad_copied
             self.scheduler.land(lambda: self._land(unit, window_ends), ready=None if event is None else event.query)
+
+    @staticmethod
+    def _keep_until_read(tensor: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+        """FSDP2 allocated the reduced shard on its reduce-scatter stream: freed, it waits for `stream`'s work."""
+        if stream is not None:
+            tensor.record_stream(stream)
+
+    @staticmethod
+    def _drop_accelerator_grads(unit: UnitState) -> None:
+        """Free FSDP2's `.grad` views of the unit's reduced shard: the host has its copy (or the engine holds the
+        shard), so the accelerator need not keep every unit's gradient until the end of backward."""
+        for slot in unit.layout.slots:
+            slot.param.grad = None
 
     def _accumulate_on_accelerator(self, unit: UnitState, flat_grad: torch.Tensor, window_ends: bool) -> None:
         # The window's sum lives in an accelerator buffer; the host sees it once, at the window's end. Unless
@@ -95,31 +115,33 @@ class GradientLanding:
             if not self._on_worker(unit):
                 self._land(unit, self.window_ends)
         for unit in self.units:
-            for slot in unit.layout.slots:
-                slot.param.grad = None
+            self._drop_accelerator_grads(unit)
 
     @torch.no_grad()
     def _land(self, unit: UnitState, window_ends: bool) -> None:
         """Fold the arrived shard into the window's sum; at the window's end take its sum of squares."""
         try:
-            if unit.phase is Phase.READY and unit.window_grad is unit.grad_staging:
-                # the staged gradient was just overwritten: refuse, never guess
+            if unit.phase is Phase.READY and unit.window_grad is not unit.grad_sum:
+                # the window's gradient was just overwritten: refuse, never guess
                 raise RuntimeError("zoff: a second backward ran after the window's last one, before the step")
             if unit.grad_copied is not None:
                 if unit.placement is Placement.HOST:
                     unit.grad_copied.synchronize()
-                else:  # what reads the copy is queued after it on the accelerator
+                else:  # what reads the shard is queued after it on the accelerator
                     torch.cuda.current_stream(unit.device).wait_event(unit.grad_copied)
+            arrived = unit.grad_staging if unit.held_grad is None else unit.held_grad
+            unit.held_grad = None
+            assert arrived is not None
             if self.accumulate_on_accelerator and unit.device_sum is not None:
                 if window_ends or not self.retain_device_sum:
                     unit.device_sum = None  # the host holds the sum now
                 unit.window_grad = self._grad_sum(unit)
             elif unit.phase is not Phase.EMPTY:
-                self._accumulate(unit, self._grad_sum(unit), unit.grad_staging)
+                self._accumulate(unit, self._grad_sum(unit), arrived)
             elif window_ends:
-                unit.window_grad = unit.grad_staging  # the kernel reads it there
+                unit.window_grad = arrived  # the kernel reads it there
             else:
-                unit.window_grad = self._accumulate(unit, self._grad_sum(unit), unit.grad_staging, replace=True)
+                unit.window_grad = self._accumulate(unit, self._grad_sum(unit), arrived, replace=True)
             unit.phase = Phase.READY if window_ends else Phase.SUMMING
             if window_ends:
                 unit.sumsq = self._unit_sumsq(unit)

@@ -6,9 +6,10 @@ if the step will be neither clipped nor skipped, into spare buffers. The step's 
 or redoes the update in place from the untouched state. Without overlap, the engine runs the same functions inline
 and there is no scheduler.
 
-Spare buffers come from a `SparePool` of a few sets (about 1 B per trained parameter in all: the CPU can only
-speculate the units whose gradients arrive early in backward anyway); a unit finds none free, its update waits for
-the decision and runs in place, in the order the next forward needs the units, while that forward goes on.
+Spare buffers come from a `SparePool` of as many sets as the memory plan finds room for on the host (at most one per
+two host units: the CPU can only speculate the units whose gradients arrive early in backward anyway); a unit that
+finds none free waits for the decision and updates in place, in the order the next forward needs the units, while
+that forward goes on.
 """
 
 from __future__ import annotations
@@ -16,13 +17,11 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 
 import torch
 
-from lightning_zoff.offload.budget import SPARE_BYTES_PER_PARAM
-from lightning_zoff.offload.unit_state import Phase, UnitState, UpdateKey
+from lightning_zoff.offload.unit_state import Phase, SpareSet, UnitState, UpdateKey
 from lightning_zoff.offload.worker import HostWorker
 
 _LAND, _FINALIZE, _SPECULATE = 0, 1, 2
@@ -32,41 +31,48 @@ _SWITCH_INTERVAL_S = 0.0005
 
 
 class SparePool:
-    """Sets of spare state buffers, lent to one speculating unit at a time, by size. A kept speculation swaps them
-    with the unit's state, and the unit's old state becomes the pool's."""
+    """Sets of spare buffers (`SpareSet`: a unit's state and its 16-bit copy), lent to one speculating unit at a time,
+    by size. A kept speculation swaps the set's state with the unit's, and the unit's old state joins the pool. How many
+    sets there are is the memory plan's (`MemoryPlan.spare_sets`); `resize` makes or frees them between steps."""
 
     def __init__(self) -> None:
-        self._free: dict[tuple, list[list[torch.Tensor]]] = {}
-        self.nbytes = 0  # held by the pool's sets, lent or free
+        self._free: dict[tuple, list[SpareSet]] = {}
+        self.sets = 0  # lent or free
+        self.nbytes = 0
 
     @staticmethod
-    def _key(buffers: list[torch.Tensor]) -> tuple:
-        return tuple((t.numel(), t.dtype) for t in buffers)
+    def _key(state: list[torch.Tensor]) -> tuple:
+        return tuple((t.numel(), t.dtype) for t in state)
 
-    def add(self, like: list[torch.Tensor], sets: int) -> None:
-        for _ in range(sets):
-            self.give_back([torch.zeros_like(t) for t in like])
-            self.nbytes += sum(t.nbytes for t in like)
+    def resize(self, sets: int, make: Callable[[], SpareSet]) -> None:
+        """Make or free sets until there are `sets` (every set must be free: between steps)."""
+        while self.sets < sets:
+            spare = make()
+            self.give_back(spare)
+            self.sets += 1
+            self.nbytes += sum(t.nbytes for t in spare.buffers())
+        while self.sets > sets:
+            dropped = next(free for free in self._free.values() if free).pop()
+            self.sets -= 1
+            self.nbytes -= sum(t.nbytes for t in dropped.buffers())
 
-    def take(self, like: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    def free_buffers(self) -> list[torch.Tensor]:
+        return [t for free in self._free.values() for spare in free for t in spare.buffers()]
+
+    def take(self, like: list[torch.Tensor]) -> SpareSet | None:
+        """A free set shaped as the state `like`, once the last copy from its 16-bit buffer ended; None if none is
+        free."""
         free = self._free.get(self._key(like))
-        return free.pop() if free else None
+        if not free:
+            return None
+        spare = free.pop()
+        if spare.sent is not None:
+            spare.sent.synchronize()  # long done in practice: the forward after that copy waited for it
+            spare.sent = None
+        return spare
 
-    def give_back(self, buffers: list[torch.Tensor]) -> None:
-        self._free.setdefault(self._key(buffers), []).append(buffers)
-
-
-def spare_pool_for(units: list[UnitState]) -> SparePool:
-    """Spare sets for the most common state size among `units`: about `SPARE_BYTES_PER_PARAM` per trained element in
-    all, at least one set, at most one per unit of that size."""
-    pool = SparePool()
-    sizes = Counter(SparePool._key(unit.state) for unit in units)
-    if sizes:
-        size, count = sizes.most_common(1)[0]
-        like = next(unit.state for unit in units if SparePool._key(unit.state) == size)
-        budget = SPARE_BYTES_PER_PARAM * sum(p.slot.numel for unit in units for p in unit.trained)
-        pool.add(like, min(count, max(1, budget // sum(t.nbytes for t in like))))
-    return pool
+    def give_back(self, spare: SpareSet) -> None:
+        self._free.setdefault(self._key(spare.state), []).append(spare)
 
 
 class HostScheduler:

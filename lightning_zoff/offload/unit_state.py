@@ -18,14 +18,11 @@ from torch.distributed.tensor import DTensor
 
 from lightning_zoff.offload.buffers import host_empty
 from lightning_zoff.offload.layout import ParamSlot, UnitLayout
+from lightning_zoff.offload.placement import Placement
 from lightning_zoff.optim.rules import GroupHyperparams
 
-
-class Placement(enum.Enum):
-    """Where a unit's master and moments live and its update runs."""
-
-    HOST = "host"  # the fused CPU kernels; gradients come down, 16-bit parameters go up
-    ACCELERATOR = "accelerator"  # torch ops next to the parameters
+__all__ = ["ParamState", "Phase", "Placement", "Run", "TrainedParam", "UnitState", "UpdateKey", "build_unit_state",
+           "kernel_runs", "param_states", "relocate"]
 
 
 class Phase(enum.Enum):
@@ -89,20 +86,29 @@ class UpdateKey:
 
 @dataclass(eq=False)  # compared by identity
 class UnitState:
+    """Buffers as `memory_plan.unit_buffers` sizes them for the unit's placement."""
+
     layout: UnitLayout
     placement: Placement
+    param_dtype: torch.dtype  # of the model's shards (the gradient FSDP2 reduces has it too)
     trained: list[TrainedParam]  # in flat order
     grad_spans: list[tuple[int, int]]  # runs of the flat gradient the trained parameters cover (their norm)
     state: list[torch.Tensor]  # [master fp32, exp_avg, exp_avg_sq]; Lion has no exp_avg_sq; moments fp32 or bf16
-    spare: list[torch.Tensor] | None  # a speculation's buffers, lent by the SparePool until the step is decided
+    spare: SpareSet | None  # a speculation's buffers, lent by the SparePool until the step is decided
     # sum of this window's micro-batch gradients (a sum over ranks too); fp32 by default; None until a window of
     # several micro-batches needs it
     grad_sum: torch.Tensor | None
-    grad_staging: torch.Tensor  # param dtype, pinned: lands the reduced shard (layout.flat_numel)
-    param_staging: torch.Tensor  # param dtype, pinned, laid out as master: leaves for the accelerator (fp32: master)
+    # on the host: the pinned buffer the reduced shard lands in (layout.flat_numel); None on the accelerator, where
+    # FSDP2's own reduced shard is held instead (`held_grad`)
+    grad_staging: torch.Tensor | None
+    # on the host: where the updated 16-bit parameters leave from, laid out as the master: `grad_staging` itself when
+    # the layouts agree (the kernel overwrites each gradient element with its parameter), else a pinned buffer of its
+    # own, or the master for fp32 models; None on the accelerator, whose update writes FSDP2's shards directly
+    param_staging: torch.Tensor | None
     used: list[bool]  # per slot: it got a gradient on this rank in this window
     phase: Phase = Phase.EMPTY
-    window_grad: torch.Tensor | None = None  # grad_staging (a window of one micro-batch) or grad_sum; None if EMPTY
+    window_grad: torch.Tensor | None = None  # grad_staging, held_grad or grad_sum; None while EMPTY
+    held_grad: torch.Tensor | None = None  # FSDP2's reduced shard of a unit on the accelerator, until it is summed/used
     sumsq: float | None = None  # of the window's gradient, once READY
     speculation: UpdateKey | None = None  # what the state in `spare` was computed with
     device_sum: torch.Tensor | None = None  # the window's sum on the accelerator (accumulate_on_accelerator)
@@ -125,26 +131,47 @@ class UnitState:
     @property
     def fp32_params(self) -> bool:
         """The parameters are fp32 (32-true): they go back to the accelerator straight from the master."""
-        return self.param_staging is self.master
+        return self.param_dtype == torch.float32
 
     def rows(self, param: TrainedParam, flat: torch.Tensor) -> torch.Tensor:
         """The parameter's unpadded rows in one of the unit's state-laid buffers (master, moments, param_staging)."""
         return flat[param.state_offset : param.state_offset + param.slot.numel]
 
-    def swap_spare(self) -> list[torch.Tensor]:
-        """Make the spare buffers (a kept speculation) the state; returns the old state, for the pool."""
+    def swap_spare(self) -> SpareSet:
+        """Make the spare state (a kept speculation) the unit's; returns the old state with the spare's 16-bit copy,
+        which still feeds this step's copy to the accelerator: the pool's next set."""
         assert self.spare is not None
-        fp32_params = self.fp32_params
-        old, self.state, self.spare = self.state, self.spare, None
-        if fp32_params:
+        spare, self.spare = self.spare, None
+        old, self.state = self.state, spare.state
+        if self.fp32_params:
             self.param_staging = self.master
-        return old
+        return SpareSet(old, spare.out, spare.sent)
 
     def buffers(self) -> list[torch.Tensor]:
-        """Every tensor the unit holds for the optimizer (what its memory is)."""
-        tensors = [*self.state, self.grad_staging]  # (a lent spare set is the pool's)
-        tensors += [] if self.grad_sum is None else [self.grad_sum]
-        return tensors + ([] if self.fp32_params else [self.param_staging])
+        """Every tensor the unit allocated for the optimizer (what its memory is; a lent spare set is the pool's)."""
+        tensors = [*self.state]
+        tensors += [t for t in (self.grad_staging, self.grad_sum) if t is not None]
+        if self.param_staging is not None and not self._out_is_shared():
+            tensors.append(self.param_staging)
+        return tensors
+
+    def _out_is_shared(self) -> bool:
+        assert self.param_staging is not None
+        return self.fp32_params or (self.grad_staging is not None
+                                    and self.param_staging.data_ptr() == self.grad_staging.data_ptr())
+
+
+@dataclass
+class SpareSet:
+    """A speculation's buffers: the state it writes and the 16-bit copy of its parameters (None for fp32 models, which
+    send the master); `sent`: the copy of `out` to the accelerator that must end before `out` is written again."""
+
+    state: list[torch.Tensor]
+    out: torch.Tensor | None
+    sent: torch.cuda.Event | None = None
+
+    def buffers(self) -> list[torch.Tensor]:
+        return self.state + ([] if self.out is None else [self.out])
 
 
 def build_unit_state(
@@ -183,45 +210,52 @@ def build_unit_state(
         else:
             spans.append((start, end))
     param_dtype = (layout.slots[0].param if layout.slots else layout.frozen[0]).dtype
-    unit = UnitState(layout, placement, trained, spans, state, spare=None, grad_sum=None,
-                     grad_staging=state[0], param_staging=state[0], used=[False] * len(layout.slots))
-    _make_buffers(unit, param_dtype, device, sums_windows=sums_windows, grad_sum_dtype=grad_sum_dtype, pin=pin)
+    unit = UnitState(layout, placement, param_dtype, trained, spans, state, spare=None, grad_sum=None,
+                     grad_staging=None, param_staging=None, used=[False] * len(layout.slots))
+    _make_buffers(unit, device, sums_windows=sums_windows, grad_sum_dtype=grad_sum_dtype, pin=pin)
     unit.staging_free.set()
     return unit
 
 
+def same_layout(layout: UnitLayout, trained: list[TrainedParam]) -> bool:
+    """Whether the unit's state is laid out as its flat gradient: every reduced parameter is trained."""
+    return len(trained) == len(layout.slots)
+
+
 def relocate(unit: UnitState, placement: Placement, device: torch.device, *, grad_sum_dtype: torch.dtype, pin: bool
              ) -> None:
-    """Move the unit's state to `device` (exact copies) and make its buffers there; on failure nothing changes.
-    Between windows only."""
+    """Move the unit's state to `device` (exact copies) and make its buffers there, freeing those it had; on failure
+    nothing changes. Between windows only."""
     assert unit.phase is Phase.EMPTY
     assert unit.speculation is None
     assert unit.spare is None
-    param_dtype = unit.grad_staging.dtype
     before = (unit.state, unit.placement, unit.grad_sum, unit.grad_staging, unit.param_staging)
     try:
-        unit.state = [t.to(device, copy=True) for t in unit.state]  # pageable, as built: only the copies' buffers pin
+        unit.state = [t.to(device, copy=True) for t in unit.state]  # pageable, as built
         unit.placement = placement
-        _make_buffers(unit, param_dtype, device, sums_windows=unit.grad_sum is not None,
-                      grad_sum_dtype=grad_sum_dtype, pin=pin)
+        _make_buffers(unit, device, sums_windows=unit.grad_sum is not None, grad_sum_dtype=grad_sum_dtype, pin=pin)
     except BaseException:  # out of memory on the way: the unit stays as it was
         unit.state, unit.placement, unit.grad_sum, unit.grad_staging, unit.param_staging = before
         raise
     unit.grad_copied = unit.params_copied = None
 
 
-def _make_buffers(unit: UnitState, param_dtype: torch.dtype, device: torch.device, *, sums_windows: bool,
-                  grad_sum_dtype: torch.dtype, pin: bool) -> None:
-    """The unit's working buffers next to its state: the window's gradient sum, the staging buffers the gradient lands
-    in and the 16-bit parameters leave from."""
-    n = unit.layout.flat_numel
-    unit.grad_sum = host_empty(n, grad_sum_dtype, device, pin).zero_() if sums_windows else None
-    unit.grad_staging = host_empty(n, param_dtype, device, pin)
-    if param_dtype == torch.float32:
-        unit.param_staging = unit.master  # fp32 shards (32-true) go back straight from the master
+def _make_buffers(unit: UnitState, device: torch.device, *, sums_windows: bool, grad_sum_dtype: torch.dtype,
+                  pin: bool) -> None:
+    """The unit's working buffers next to its state (`memory_plan.unit_buffers` has their sizes): the window's
+    gradient sum; on the host, the buffer the gradient lands in and the one the 16-bit parameters leave from."""
+    n, host = unit.layout.flat_numel, unit.placement is Placement.HOST
+    unit.grad_sum = host_empty(n, grad_sum_dtype, device, pin and host).zero_() if sums_windows else None
+    unit.grad_staging = host_empty(n, unit.param_dtype, device, pin) if host else None
+    if not host:
+        unit.param_staging = None
+    elif unit.fp32_params:
+        unit.param_staging = unit.master
+    elif same_layout(unit.layout, unit.trained):
+        assert unit.grad_staging is not None
+        unit.param_staging = unit.grad_staging[: unit.master.numel()]
     else:
-        unit.param_staging = host_empty(unit.master.numel(), param_dtype, device, pin)
-        unit.param_staging.copy_(unit.master)
+        unit.param_staging = host_empty(unit.master.numel(), unit.param_dtype, device, pin)
 
 
 @dataclass(frozen=True)

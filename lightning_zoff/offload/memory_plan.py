@@ -1,0 +1,383 @@
+"""The engine's memory plan: every byte it allocates, per unit and per side, decided before any of it is allocated.
+
+A unit's optimizer state lives on one side (`Placement`). What it costs there, by buffer:
+- on the host: ``master`` (fp32), ``moments`` (fp32 or bf16, one or two), ``grad_landing`` (the reduced shard in the
+  parameters' dtype: copied down in backward and held until the step decides; the kernel then writes the updated
+  16-bit parameters over it, in place, and they leave for the accelerator from there), ``param_out`` (the 16-bit
+  parameters' own buffer, only where the state is not laid out as the gradient: some reduced parameters untrained)
+  and ``grad_sum`` (the window's sum, when a window has several micro-batches). The landing and out buffers are pinned.
+- on the accelerator: ``master``, ``moments`` and ``grad_sum``. FSDP2's reduced shard is held as it is (no copy) until
+  the step, and the update writes the 16-bit parameters straight into FSDP2's shards.
+Beside the units: on the host, overlap's spare sets (each a unit's state and 16-bit copy, lent to one speculating unit
+at a time; as many as the host has room for, at most one per two host units); on the accelerator, transients: the
+update's fp32 workspace (it runs in pieces of at most `UPDATE_PIECE` elements) and, with the window's sum on the
+accelerator, that sum (one unit's, or every host unit's when retained).
+
+The engine allocates exactly this (a test compares its tensors with the plan, per side), the budget checks read it,
+placement decides with it, and the memory report prints it. A plan that does not fit the machine is refused before
+anything is allocated, with the numbers and the options that would fit (`PlanDoesNotFit`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Container, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import psutil
+import torch
+
+from lightning_zoff.offload.layout import UnitLayout
+from lightning_zoff.offload.placement import (
+    Placement,
+    fewest_for_host,
+    first_by_fraction,
+    first_that_fit,
+    margin_bytes,
+)
+
+GB = 1e9
+GiB = 2**30
+UPDATE_PIECE = 1 << 26  # elements an accelerator-side update converts to fp32 at once (256 MiB of workspace)
+HOST_RESERVE = 0.10  # of the host memory available at setup, left to the process (CUDA, Python, data, checkpoints)
+
+
+def size(nbytes: float) -> str:
+    return f"{nbytes / GB:.1f} GB" if abs(nbytes) >= 0.1 * GB else f"{nbytes / 1e6:.1f} MB"
+
+
+class PlanDoesNotFit(MemoryError):
+    """The model's state does not fit this machine with these options; the message says what would."""
+
+
+@dataclass(frozen=True)
+class UnitShape:
+    name: str
+    trained: int  # elements of its state on this rank: the optimizer's parameters, each padded as in the flat shard
+    reduced: int  # elements of its reduced gradient: every parameter that requires one
+    same_layout: bool  # the state is laid out as the gradient (every reduced parameter is trained)
+
+
+def unit_shape(layout: UnitLayout, trained_ids: Container[int]) -> UnitShape:
+    """A sharded unit's shape; `trained_ids`: ids of the parameters the optimizer trains."""
+    trained = [s for s in layout.slots if id(s.param) in trained_ids]
+    return UnitShape(layout.name, sum(s.padded_numel for s in trained), layout.flat_numel,
+                     len(trained) == len(layout.slots))
+
+
+@dataclass(frozen=True)
+class StateOptions:
+    param_bytes: int  # of the model's shards: 2 (bf16, fp16) or 4 (32-true)
+    moment_bytes: int  # 4 (fp32) or 2 (bf16)
+    moments: int  # 2 (Adam, AdamW) or 1 (Lion)
+    sum_bytes: int  # of the window's gradient sum; 0 when every window is one micro-batch
+    sum_on_accelerator: bool = False  # host units' window sums live on the accelerator between micro-batches
+    retain_device_sum: bool = False  # ... for the whole window, every unit's at once
+    overlap: bool = True  # speculation into the host's spare sets
+    pin: bool = True
+
+    def state_bytes(self, trained: int) -> int:
+        return trained * (4 + self.moments * self.moment_bytes)
+
+    def out_bytes(self, trained: int) -> int:
+        """A 16-bit copy of the state's parameters (fp32 models send the master itself)."""
+        return 0 if self.param_bytes == 4 else trained * self.param_bytes
+
+    def workspace_bytes(self, trained: int, lion: bool = False) -> int:
+        """An accelerator-side update's fp32 temporaries: the scaled gradient, Lion's direction, fp32 copies of 16-bit
+        moments; for one piece of at most `UPDATE_PIECE` elements."""
+        per_element = 4 * (1 + (1 if lion else 0) + (self.moments if self.moment_bytes != 4 else 0))
+        return per_element * min(trained, UPDATE_PIECE)
+
+
+def unit_buffers(shape: UnitShape, options: StateOptions, placement: Placement) -> dict[str, int]:
+    """Bytes of each buffer the engine allocates for the unit at `placement`."""
+    buffers = {"master": 4 * shape.trained, "moments": options.moments * options.moment_bytes * shape.trained,
+               "grad_sum": options.sum_bytes * shape.reduced}
+    if placement is Placement.HOST:
+        buffers["grad_landing"] = options.param_bytes * shape.reduced
+        buffers["param_out"] = 0 if shape.same_layout else options.out_bytes(shape.trained)
+    return buffers
+
+
+def host_bytes_per_element(options: StateOptions) -> int:
+    """Host bytes of a unit whose every reduced element is trained, per element, spare sets aside."""
+    return sum(unit_buffers(UnitShape("", 1, 1, True), options, Placement.HOST).values())
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What this rank may use, read once at setup before anything is allocated."""
+
+    host_available: int  # this rank's share of the host memory available then
+    accelerator_capacity: int | None  # what this rank's allocator may hold on its CUDA device; None: no GPU
+
+    @property
+    def host_capacity(self) -> int:
+        """What zoff may hold on the host: the available memory less a reserve for the rest of the process."""
+        return max(0, self.host_available - max(GiB // 4, int(HOST_RESERVE * self.host_available)))
+
+    @property
+    def accelerator_margin(self) -> int:
+        return 0 if self.accelerator_capacity is None else margin_bytes(self.accelerator_capacity)
+
+
+def measure_machine(device: torch.device, ranks_on_node: int) -> Machine:
+    """The host's available memory (ZOFF_HOST_MEMORY_BYTES overrides it: tests, shared hosts) split among the node's
+    ranks, and what this process's CUDA allocator can hold (a per-process memory fraction counts)."""
+    available = int(os.environ.get("ZOFF_HOST_MEMORY_BYTES", 0)) or psutil.virtual_memory().available
+    accelerator = None
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        cap = int(total * (get_fraction(device) if get_fraction is not None else 1.0))
+        accelerator = min(cap, free + torch.cuda.memory_reserved(device))
+    return Machine(available // ranks_on_node, accelerator)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    shapes: tuple[UnitShape, ...]  # the units with trained parameters or a reduced gradient, in forward order
+    options: StateOptions
+    placement: Mapping[str, Placement]
+    machine: Machine
+    model_bytes: int  # FSDP2's shards of the model on the accelerator (not the engine's, but they must fit beside it)
+    lion: bool = False
+    spare_sets: int = 0
+    spare_shape: UnitShape | None = None  # the shape the spare sets are made for
+
+    # -- what the plan holds -----------------------------------------------------------------------------------
+
+    def shape(self, name: str) -> UnitShape:
+        return next(s for s in self.shapes if s.name == name)
+
+    def buffers(self, name: str) -> dict[str, int]:
+        return unit_buffers(self.shape(name), self.options, self.placement[name])
+
+    def units_on(self, placement: Placement) -> list[UnitShape]:
+        return [s for s in self.shapes if self.placement[s.name] is placement]
+
+    def state_on(self, placement: Placement) -> int:
+        """The units' buffers on that side."""
+        return sum(sum(unit_buffers(s, self.options, placement).values()) for s in self.units_on(placement))
+
+    def spare_set_bytes(self) -> int:
+        shape = self.spare_shape
+        return 0 if shape is None else self.options.state_bytes(shape.trained) + self.options.out_bytes(shape.trained)
+
+    @property
+    def host_bytes(self) -> int:
+        return self.state_on(Placement.HOST) + self.spare_sets * self.spare_set_bytes()
+
+    @property
+    def accelerator_transient_bytes(self) -> int:
+        """The update's workspace and the window's sums on the accelerator, at most at once."""
+        on_accelerator = self.units_on(Placement.ACCELERATOR)
+        workspace = max((self.options.workspace_bytes(s.trained, self.lion) for s in on_accelerator), default=0)
+        sums = 0
+        if self.options.sum_on_accelerator and self.options.sum_bytes:
+            host_sums = [4 * s.reduced for s in self.units_on(Placement.HOST)]
+            sums = sum(host_sums) if self.options.retain_device_sum else max(host_sums, default=0)
+        return workspace + sums
+
+    @property
+    def accelerator_bytes(self) -> int:
+        """The engine's own on the accelerator: the units' state and the transients."""
+        return self.state_on(Placement.ACCELERATOR) + self.accelerator_transient_bytes
+
+    # -- checks ------------------------------------------------------------------------------------------------
+
+    def host_setup_peak(self, masters_bytes: int) -> int:
+        """The most the host holds while the state is built from `masters_bytes` of fp32 copies: the accelerator's
+        units first (their copies go), then each host unit, freeing its copy once its state holds it; the spare sets
+        last, once every copy is gone."""
+        largest = max((4 * s.trained for s in self.units_on(Placement.HOST)), default=0)
+        return max(masters_bytes, self.state_on(Placement.HOST) + largest, self.host_bytes)
+
+    def problems(self, masters_bytes: int = 0) -> list[str]:
+        """What does not fit (empty when the plan fits)."""
+        found = []
+        host_need = self.host_setup_peak(masters_bytes)
+        if host_need > self.machine.host_capacity:
+            found.append(f"the host ({size(host_need)} needed, {size(self.machine.host_capacity)} usable)")
+        capacity = self.machine.accelerator_capacity
+        if capacity is not None:
+            need = self.model_bytes + self.accelerator_bytes + self.machine.accelerator_margin
+            if need > capacity:
+                found.append(f"the accelerator ({size(need)} needed before activations: model"
+                             f" {size(self.model_bytes)}, optimizer state {size(self.accelerator_bytes)}, margin"
+                             f" {size(self.machine.accelerator_margin)}; {size(capacity)} usable)")
+        return found
+
+    # -- changes -----------------------------------------------------------------------------------------------
+
+    def with_placement(self, placement: Mapping[str, Placement]) -> MemoryPlan:
+        """The plan with units placed anew and the spare sets sized for the host's room then."""
+        plan = replace(self, placement=dict(placement), spare_sets=0, spare_shape=None)
+        return plan._with_spare_sets()
+
+    def moved(self, names: Sequence[str], placement: Placement) -> MemoryPlan:
+        return self.with_placement({**self.placement, **dict.fromkeys(names, placement)})
+
+    def reordered(self, shapes: Sequence[UnitShape]) -> MemoryPlan:
+        """The same plan with the units in another forward order (the one the first forward showed)."""
+        return replace(self, shapes=tuple(shapes))
+
+    def _with_spare_sets(self) -> MemoryPlan:
+        host = [s for s in self.units_on(Placement.HOST) if s.trained]
+        if not self.options.overlap or not host:
+            return self
+        sizes = Counter(s.trained for s in host)
+        trained, count = sizes.most_common(1)[0]
+        shape = next(s for s in host if s.trained == trained)
+        plan = replace(self, spare_shape=shape)
+        room = self.machine.host_capacity - plan.host_bytes
+        sets = min(max(1, count // 2), max(0, room) // max(1, plan.spare_set_bytes()))
+        return replace(plan, spare_sets=sets)
+
+    # -- report ------------------------------------------------------------------------------------------------
+
+    def report(self) -> dict[str, float]:
+        """Bytes by kind and side, and per element of this rank's trained state."""
+        host = self.units_on(Placement.HOST)
+
+        def total(kind: str, units: list[UnitShape], placement: Placement) -> int:
+            return sum(unit_buffers(s, self.options, placement)[kind] for s in units)
+
+        trained = sum(s.trained for s in self.shapes)
+        on_accelerator = self.units_on(Placement.ACCELERATOR)
+        report = {
+            "trained_params": trained,
+            "host_master": total("master", host, Placement.HOST),
+            "host_optimizer_state": total("moments", host, Placement.HOST),
+            "host_grad_sum": total("grad_sum", host, Placement.HOST),
+            "host_staging": total("grad_landing", host, Placement.HOST) + total("param_out", host, Placement.HOST),
+            "host_spare_state": self.spare_sets * self.spare_set_bytes(),
+            "spare_sets": self.spare_sets,
+            "host_total": self.host_bytes,
+            "host_capacity": self.machine.host_capacity,
+            "accelerator_optimizer_state": self.state_on(Placement.ACCELERATOR),
+            "accelerator_transient": self.accelerator_transient_bytes,
+            "accelerator_model": self.model_bytes,
+            "host_bytes_per_trained_param": self.host_bytes / max(1, sum(s.trained for s in host)),
+        }
+        if self.machine.accelerator_capacity is not None:
+            report["accelerator_capacity"] = self.machine.accelerator_capacity
+        report["accelerator_units"] = len(on_accelerator)
+        report["host_units"] = len(host)
+        return report
+
+
+# -- planning ------------------------------------------------------------------------------------------------------
+
+
+def plan_memory(shapes: Sequence[UnitShape], options: StateOptions, machine: Machine, accelerator_state: str | float,
+                *, model_bytes: int, lion: bool = False, masters_bytes: int = 0,
+                all_on_accelerator: bool = False) -> MemoryPlan:
+    """Place every unit (`shapes` in forward order) and size the spare sets; raise `PlanDoesNotFit` when the machine
+    cannot hold the result (`masters_bytes`: the fp32 copies the state is built from, held meanwhile).
+
+    `accelerator_state`: "none" keeps all state on the host; a fraction puts the first units in forward order up to that
+    share of the trained elements on the accelerator; "auto" (on a GPU) puts there only the first units the host cannot
+    hold (the rest may follow once a step measured the accelerator's peak: `more_for_accelerator`)."""
+    base = MemoryPlan(tuple(shapes), options, {}, machine, model_bytes, lion)
+    plan = _placed(base, "all" if all_on_accelerator else accelerator_state)
+    problems = plan.problems(masters_bytes)
+    if problems:
+        raise PlanDoesNotFit(_refusal(plan, problems, accelerator_state, masters_bytes))
+    return plan
+
+
+def _placed(plan: MemoryPlan, accelerator_state: str | float) -> MemoryPlan:
+    shapes = plan.shapes
+    plan = replace(plan, placement={s.name: Placement.HOST for s in shapes})
+    on_accelerator: list[str]
+    if accelerator_state == "all":
+        on_accelerator = [s.name for s in shapes]
+    elif accelerator_state == "none":
+        on_accelerator = []
+    elif isinstance(accelerator_state, float):
+        on_accelerator = first_by_fraction(shapes, accelerator_state)
+    elif plan.machine.accelerator_capacity is None:  # "auto" on a CPU accelerator: nothing to gain
+        on_accelerator = []
+    else:
+        sizes = {s.name: sum(unit_buffers(s, plan.options, Placement.HOST).values()) for s in shapes}
+        building = max((4 * s.trained for s in shapes), default=0)  # one unit's fp32 copy while its state is made
+        on_accelerator = fewest_for_host(shapes, sizes, plan.machine.host_capacity - building)
+    return plan.moved(on_accelerator, Placement.ACCELERATOR)
+
+
+def accelerator_holds_all(plan: MemoryPlan) -> bool:
+    """Whether the accelerator could hold every unit's state beside the model and the margin, activations aside:
+    where it cannot, the host takes state, and memory the activations free on the accelerator is worth more as state
+    there than the recomputation costs (the host's update, not the accelerator, sets the pace)."""
+    capacity = plan.machine.accelerator_capacity
+    if capacity is None:
+        return True
+    on_accelerator = plan.with_placement({s.name: Placement.ACCELERATOR for s in plan.shapes})
+    return plan.model_bytes + on_accelerator.accelerator_bytes + plan.machine.accelerator_margin <= capacity
+
+
+def more_for_accelerator(plan: MemoryPlan, peak: int) -> list[str]:
+    """The host's units (first in forward order) that fit on the accelerator beside a step that peaked at `peak` bytes
+    (the state already there included) with the margin left free, their update's workspace counted."""
+    capacity = plan.machine.accelerator_capacity
+    if capacity is None:
+        return []
+    room = capacity - peak - plan.machine.accelerator_margin
+    workspace_now = plan.accelerator_transient_bytes
+    costs = {}
+    for shape in plan.units_on(Placement.HOST):
+        if shape.trained:
+            state = sum(unit_buffers(shape, plan.options, Placement.ACCELERATOR).values())
+            workspace = max(0, plan.options.workspace_bytes(shape.trained, plan.lion) - workspace_now)
+            costs[shape.name] = state + workspace
+    host_first = [s for s in plan.shapes if s.name in costs]
+    return first_that_fit(host_first, costs, room)
+
+
+def fewer_for_accelerator(plan: MemoryPlan, peak: int) -> list[str]:
+    """The accelerator's units (last in forward order first) to move back to the host when a step that peaked at
+    `peak` bytes left less than half the margin free, so that all of it is free again; empty otherwise."""
+    capacity = plan.machine.accelerator_capacity
+    if capacity is None or peak + plan.machine.accelerator_margin // 2 <= capacity:
+        return []
+    excess = peak + plan.machine.accelerator_margin - capacity
+    host_room = plan.machine.host_capacity - plan.state_on(Placement.HOST)  # the spare sets make way
+    chosen: list[str] = []
+    for shape in reversed(plan.units_on(Placement.ACCELERATOR)):
+        host_room -= sum(unit_buffers(shape, plan.options, Placement.HOST).values())
+        if excess <= 0 or host_room < 0:
+            break
+        chosen.append(shape.name)
+        excess -= sum(unit_buffers(shape, plan.options, Placement.ACCELERATOR).values())
+    return chosen
+
+
+def _refusal(plan: MemoryPlan, problems: list[str], accelerator_state: str | float, masters_bytes: int) -> str:
+    """The message of a plan that does not fit: what it needs where, and the options that would fit."""
+    options = plan.options
+    trained = sum(s.trained for s in plan.shapes)
+    lines = [f"zoff: the optimizer state of {trained:,} trained elements on this rank does not fit "
+             + " and ".join(problems) + f" (host: {size(plan.machine.host_available)} available at setup, of which"
+             f" {HOST_RESERVE:.0%} or at least 0.25 GiB stays with the rest of the process;"
+             f" {host_bytes_per_element(options)} B per element on the host, {options.state_bytes(1)} on the"
+             " accelerator)."]
+    fits = []
+    if options.moment_bytes == 4:
+        smaller = replace(options, moment_bytes=2)
+        if _fits(plan, smaller, accelerator_state, masters_bytes):
+            fits.append("optimizer_state_dtype='bf16' (moments in 2 bytes each)")
+    for state in ("auto", 0.25, 0.5, 0.75, 1.0):
+        if state != accelerator_state and _fits(plan, options, state, masters_bytes):
+            fits.append(f"accelerator_state={state!r}")
+            break
+    text = "Options that fit: " + "; ".join(fits) + ". " if fits else ""
+    return (lines[0] + " " + text + "Other ways: activation checkpointing (ZoffStrategy("
+            "activation_checkpointing_policy={YourBlock})) and a smaller batch leave the accelerator more room for"
+            " state; more ranks (GPUs or nodes) split the state among them.")
+
+
+def _fits(plan: MemoryPlan, options: StateOptions, accelerator_state: str | float, masters_bytes: int) -> bool:
+    return not _placed(replace(plan, options=options), accelerator_state).problems(masters_bytes)
