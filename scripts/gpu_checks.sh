@@ -79,6 +79,25 @@ for stage in "$@"; do
       timeout 400 python3 scripts/peak_rss.py --out "$OUT/mainjob_gpt_7b_rss.json" -- python3 scripts/train.py \
           model=gpt_7b data=synthetic trainer.max_steps=6 hydra.run.dir=$PWD/outputs/run_7b 2>&1 | grep -v "^INFO" | tail -30 | tee "$OUT/mainjob_gpt_7b.txt"
       cp outputs/run_7b/loss.png "$OUT/mainjob_gpt_7b_loss.png" 2>/dev/null; ls -a outputs/run_7b outputs/run_7b/checkpoints; du -sh outputs/run_7b | tee -a "$OUT/mainjob_gpt_7b.txt"; rm -rf outputs/run_7b ;;
+    smoke_offload)  # quick: the host path with checkpointed activations, and "auto" moving the 1.34B GPT's state to the GPU
+      timeout 200 python3 scripts/bench.py --model gpt1b --batch 8 --accumulate 1 --steps 3 --warmup 2 --runs zoff_host_only --activation-checkpointing --out "$OUT/smoke_host.json" 2>&1 | grep -v "^INFO" | tail -4 | tee "$OUT/smoke.txt"
+      timeout 200 python3 scripts/bench.py --model gpt1b --batch 8 --accumulate 1 --steps 3 --warmup 2 --runs zoff --out "$OUT/smoke_auto.json" 2>&1 | grep -v "^INFO" | tail -4 | tee -a "$OUT/smoke.txt"
+      grep -q "failed" "$OUT/smoke.txt" && { echo "smoke failed: stopping"; exit 1; } ;;
+    gpt13b_zoff)  # the 13B GPT at batch 4 with default options
+      timeout ${BENCH_TIMEOUT:-400} python3 scripts/bench.py --model gpt13b --batch 4 --accumulate 1 --steps 20 --warmup 2 --runs zoff --out "$OUT/gpt13b_zoff.json" 2>&1 | grep -v "^INFO" | tail -6 | tee "$OUT/gpt13b_zoff.txt" ;;
+    gpt13b_deepspeed)  # DeepSpeed's attempts at the 13B GPT, in the same bench's terms
+      timeout ${BENCH_TIMEOUT:-560} python3 scripts/bench.py --model gpt13b --batch 4 --accumulate 1 --steps 20 --warmup 2 --runs deepspeed_zero3_offload deepspeed_zero3_offload_ratio --ratios 0.5 --run-timeout-s 240 --out "$OUT/gpt13b_deepspeed.json" 2>&1 | grep -v "^INFO" | tail -6 | tee "$OUT/gpt13b_deepspeed.txt" ;;
+    gpt13b_options)  # a fraction of the state on the GPU, and bf16 moments: trains or refused before allocating
+      for option in "accelerator_state=0.4" "optimizer_state_dtype='bf16'"; do
+        timeout 300 python3 scripts/bench.py --model gpt13b --batch 4 --accumulate 1 --steps 3 --warmup 1 --runs zoff --zoff-option "$option" --out "$OUT/gpt13b_$(echo $option | tr -dc 'a-z0-9.').json" 2>&1 | grep -v "^INFO" | tail -3 | tee -a "$OUT/gpt13b_options.txt"
+      done ;;
+    largest)  # the largest GPT of the gpt13b width that trains 5 steps: predicted by the plan, then tried
+      timeout ${LARGEST_TIMEOUT:-580} python3 scripts/find_largest.py --runs ${LARGEST_RUNS:-zoff zoff_bf16_moments} --run-timeout-s 300 --out "$OUT/largest.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/largest.txt" ;;
+    gpt7b_24gb)  # a 24 GB GPU's budget: the 7B GPT at batch 1, zoff and DeepSpeed
+      timeout ${BENCH_TIMEOUT:-560} python3 scripts/bench.py --model gpt7b --batch 1 --accumulate 1 --steps 4 --warmup 2 --gpu-memory-gb 24 --runs zoff deepspeed_zero3_offload --run-timeout-s 250 --out "$OUT/gpt7b_24gb.json" 2>&1 | grep -v "^INFO" | tail -8 | tee "$OUT/gpt7b_24gb.txt" ;;
+    no_regression)  # where the model fits the GPU: zoff next to GPU-only training
+      timeout 330 python3 scripts/bench.py --model gpt7b --batch 4 --accumulate 1 --steps 5 --warmup 2 --runs gpu_only zoff --out "$OUT/gpt7b_b4.json" 2>&1 | grep -v "^INFO" | tail -6 | tee "$OUT/no_regression.txt"
+      timeout 200 python3 scripts/bench.py --model gpt1b --batch 8 --accumulate 1 --steps 6 --warmup 2 --runs gpu_only zoff --out "$OUT/gpt1b_b8.json" 2>&1 | grep -v "^INFO" | tail -6 | tee -a "$OUT/no_regression.txt" ;;
     bench_more) timeout ${BENCH_TIMEOUT:-400} python3 scripts/bench.py --runs fsdp2_cpu_offload zoff zoff_sync --accumulate 1 4 --steps 5 --warmup 2 --out "$OUT/bench_more.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/bench_more.txt" ;;
   esac
 done

@@ -21,10 +21,10 @@ class Traffic:
 
 
 def describe_memory(report: dict[str, float]) -> str:
-    """One line: sizes in MiB, ratios in bytes per parameter element."""
+    """One line: sizes in MiB, ratios in bytes per parameter element, counts as they are."""
     parts = []
     for key, value in report.items():
-        if key in ("local_params", "trained_params"):
+        if key in ("local_params", "trained_params", "spare_sets", "host_units", "accelerator_units"):
             parts.append(f"{key}={int(value):,}")
         elif "_per_" in key:
             parts.append(f"{key}={value / 1:.2f}")
