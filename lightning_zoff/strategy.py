@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
@@ -19,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from typing_extensions import override
 
-from lightning_zoff._compat import set_strategy_precision_plugin, strategy_precision_plugin
+from lightning_zoff._compat import distributed_is_initialized, set_strategy_precision_plugin, strategy_precision_plugin
 from lightning_zoff.checks import (
     ACCUM_DTYPES,
     MOMENT_DTYPES,
@@ -221,7 +222,7 @@ class ZoffStrategy(CheckpointingStrategy, ProcessGroupStrategy):
         if not is_sharded(module):
             self._close_engine()  # an earlier fit's, of another model
             self._units = plan_units(module, self.wrap_policy)
-            self._machine = measure_machine(self.root_device, self.num_processes)
+            self._machine = self._agreed(measure_machine(self.root_device, self.num_processes))
             if trainer.state.fn == TrainerFn.FITTING and self.offload:
                 plan = self._check_plan_before_sharding(module, trainer.accumulate_grad_batches)
                 if self.checkpoint_activations_auto and not accelerator_holds_all(plan):
@@ -240,6 +241,16 @@ class ZoffStrategy(CheckpointingStrategy, ProcessGroupStrategy):
         # FSDP2's unsharded parameters must not become inference tensors, or a later fit cannot use them.
         for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
             loop.inference_mode = False
+
+    def _agreed(self, machine: Machine) -> Machine:
+        """The least memory any rank measured: every rank plans with the same numbers (they read the host at slightly
+        different moments), so their plans and their reports agree."""
+        if self.world_size == 1 or not distributed_is_initialized():
+            return machine
+        readings = torch.tensor([machine.host_available, machine.accelerator_capacity or -1], dtype=torch.float64)
+        dist.all_reduce(readings, op=dist.ReduceOp.MIN)  # a CPU tensor: gloo, also under "cpu:gloo,cuda:nccl"
+        host, accelerator = (int(v) for v in readings.tolist())
+        return Machine(host, None if accelerator < 0 else accelerator)
 
     def _checkpoint_the_blocks(self, module: nn.Module, plan: MemoryPlan) -> None:
         top_level = set(module.children())
@@ -364,6 +375,8 @@ class ZoffStrategy(CheckpointingStrategy, ProcessGroupStrategy):
         torch.cuda.reset_peak_memory_stats(self.root_device)  # the next check reads the next step alone
         moved = f"{len(there)} moved there" if there else f"{len(back)} moved back" if back else "none moved"
         self._log_placement(f"the step peaked at {peak / 1e9:.1f} GB, {moved}", always=True)
+        if there or back:
+            self.memory_report = self.engine.memory_report()  # the placement now (benchmarks read it after fit)
 
     def _log_placement(self, why: str, always: bool) -> None:
         assert self.engine is not None

@@ -97,10 +97,12 @@ def try_size(args: argparse.Namespace, run: str, layers: int) -> dict:
         entry = json.loads(out.read_text())["runs"][0] if out.exists() else {"error": "bench.py wrote nothing"}
     entry.update(layers=layers, params=gpt_params(MODELS[args.model], layers),
                  outcome=entry.get("outcome", "trained") if "error" in entry else "trained")
-    print(f"{run} {layers} layers ({entry['params'] / 1e9:.2f}B): {entry['outcome']}"
-          + (f", {entry['step_s_median']:.2f} s/step, host tree peak {entry.get('host_tree_peak_gb') or 0:.1f} GB,"
-             f" GPU peak {entry['peak_gpu_gb']:.1f} GB" if entry["outcome"] == "trained" else f": {entry.get('error')}"),
-          flush=True)
+    if entry["outcome"] == "trained":
+        how = (f"{entry['step_s_median']:.2f} s/step, host tree peak {entry.get('host_tree_peak_gb') or 0:.1f} GB,"
+               f" GPU peak {entry['peak_gpu_gb']:.1f} GB")
+    else:
+        how = str(entry.get("error"))
+    print(f"{run} {layers} layers ({entry['params'] / 1e9:.2f}B): {entry['outcome']}: {how}", flush=True)
     return entry
 
 
@@ -131,7 +133,8 @@ def main() -> None:
     if args.predict_only:
         return
     out = args.out or Path("bench/results") / f"{datetime.date.today()}_largest.json"
-    record = {"machine": os.uname().nodename, "command": shlex.join(["python", "scripts/find_largest.py", *sys.argv[1:]]),
+    command = shlex.join(["python", "scripts/find_largest.py", *sys.argv[1:]])
+    record = {"machine": os.uname().nodename, "command": command,
               "host_available_gb": host / 1e9, "gpu_gb": gpu / 1e9, "predicted": predicted, "tries": [],
               "largest": {}}
     for run in args.runs:

@@ -193,7 +193,8 @@ def test_cpu_run_records_model_and_gpu_memory(tmp_path):
 
 
 def test_unsupported_run_is_an_entry_without_a_process():
-    args = bench.argparse.Namespace(model="gpt1b", batch=8, gpu_memory_gb=None, zoff_option=[])
+    args = bench.argparse.Namespace(model="gpt1b", batch=8, gpu_memory_gb=None, zoff_option=[], layers=None,
+                                    activation_checkpointing=False)
     entry = bench.run_child(args, "deepspeed_zero2_zenflow", accumulate=4, steps=8, warmup=2)
     assert entry["outcome"] == "unsupported"
     assert "accumulate 1" in entry["error"]

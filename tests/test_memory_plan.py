@@ -7,6 +7,7 @@ import pytest
 
 from lightning_zoff.offload.memory_plan import (
     GB,
+    HOST_RESERVE,
     Machine,
     PlanDoesNotFit,
     StateOptions,
@@ -53,8 +54,9 @@ def test_host_bytes_per_element(options, per_element):
 
 
 def machine(host_gb: float, accelerator_gb: float | None = None) -> Machine:
-    # host_available x 0.9 is usable: choose host_gb for a round capacity
-    return Machine(int(host_gb * GB / 0.9), None if accelerator_gb is None else int(accelerator_gb * GB))
+    # a share HOST_RESERVE of what is available stays with the process: host_gb is what the plan may use
+    return Machine(int(host_gb * GB / (1 - HOST_RESERVE)) + 1,
+                   None if accelerator_gb is None else int(accelerator_gb * GB))
 
 
 BLOCKS = [UnitShape(f"h.{i}", 10**9, 10**9, True) for i in range(6)]  # 1B elements each: 14 GB on the host

@@ -367,10 +367,9 @@ class OffloadEngine(GradientLanding):
 
     def memory_report(self) -> dict[str, float]:
         """The plan's bytes by kind and side, with this rank's share of the model."""
-        report = self.plan.report()
         locals_ = [cast_local(p) for unit in self.units for p in unit.layout.params]
         local_numel = sum(t.numel() for t in locals_)
-        report["local_params"] = local_numel
+        report = {"local_params": local_numel, **self.plan.report()}
         report["accelerator_params"] = sum(t.nbytes for t in locals_)
         report["accelerator_bytes_per_param"] = report["accelerator_params"] / max(local_numel, 1)
         report["host_bytes_per_param"] = report["host_total"] / max(local_numel, 1)
