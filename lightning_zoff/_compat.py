@@ -13,6 +13,7 @@ from lightning.fabric.utilities.distributed import (
     _init_dist_connection as init_dist_connection,
     _sync_ddp_if_available as sync_ddp_if_available,
 )
+from lightning.pytorch.core.optimizer import _configure_optimizers
 from lightning.pytorch.strategies.launchers import (
     _MultiProcessingLauncher as MultiProcessingLauncher,
     _SubprocessScriptLauncher as SubprocessScriptLauncher,
@@ -25,7 +26,7 @@ __all__ = [
     "MultiProcessingLauncher", "SubprocessScriptLauncher", "WorkerOutput", "all_gather_streams", "apply_to_tensors",
     "before_reduce", "checkpoint_activations_of", "dcp_data_extents", "direct_tensors", "distributed_is_initialized",
     "fsdp_param_group", "fused_adam_step", "hf_init_weights", "init_dist_connection", "is_view", "launcher_strategy",
-    "replace_direct_tensor", "restore_post_backward", "set_strategy_launcher",
+    "optimizers_of", "replace_direct_tensor", "restore_post_backward", "set_strategy_launcher",
     "set_strategy_precision_plugin", "strategy_precision_plugin", "sync_ddp_if_available", "unit_params",
 ]
 
@@ -51,6 +52,12 @@ def set_strategy_launcher(strategy: Any, launcher: Any) -> None:
 def launcher_strategy(launcher: Any) -> Any:
     """The strategy a Lightning multiprocessing launcher was built for."""
     return launcher._strategy
+
+
+def optimizers_of(configured: Any) -> list[Any]:
+    """The optimizers in what `configure_optimizers` returned (any of the forms Lightning accepts), as Lightning reads
+    them; raises for a form it does not accept."""
+    return _configure_optimizers(configured)[0]
 
 
 # -- torch ------------------------------------------------------------------------------------------------------

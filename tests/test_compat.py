@@ -239,3 +239,16 @@ def test_is_view_and_apply_to_tensors_see_what_fsdp2_sees():
     assert out.extra[2] == 3
     torch.testing.assert_close(out.extra[1]["k"], -own)
 
+
+def test_optimizers_of_reads_every_form_configure_optimizers_may_return():
+    import pytest
+
+    opt_a, opt_b = (torch.optim.AdamW([nn.Parameter(torch.zeros(2))]) for _ in range(2))
+    scheduler = torch.optim.lr_scheduler.StepLR(opt_a, step_size=1)
+    assert _compat.optimizers_of(opt_a) == [opt_a]
+    assert _compat.optimizers_of([opt_a, opt_b]) == [opt_a, opt_b]
+    assert _compat.optimizers_of({"optimizer": opt_a, "lr_scheduler": scheduler}) == [opt_a]
+    assert _compat.optimizers_of(([opt_a], [scheduler])) == [opt_a]
+    assert _compat.optimizers_of([{"optimizer": opt_a}, {"optimizer": opt_b}]) == [opt_a, opt_b]
+    with pytest.raises(Exception, match="Unknown configuration"):
+        _compat.optimizers_of("adamw")
