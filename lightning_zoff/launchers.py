@@ -2,7 +2,9 @@
 
 The multiprocessing launcher (fork/spawn/forkserver) hands back the run's state and metrics, the trained fp32 weights
 only when asked (``ZoffStrategy(weights_to_main_process=True)``), a rank's exception as that exception, and, when the
-OS kills a rank, how much memory it had used. Both launchers refuse what zoff cannot run before any rank starts.
+OS kills a rank, how much memory it had used. The subprocess launcher (Lightning's default) has each node's first
+failing rank print its error, and no other (`rank_errors`). Both launchers refuse what zoff cannot run before any rank
+starts.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing_extensions import override
 from lightning_zoff import checkpoint_files
 from lightning_zoff._compat import MultiProcessingLauncher, SubprocessScriptLauncher, WorkerOutput, launcher_strategy
 from lightning_zoff.checks import check_configured_optimizers, check_supported
+from lightning_zoff.rank_errors import prepare_node
 from lightning_zoff.sharding import param_names
 
 # Set on the main process's LightningModule after a fit whose trained weights stayed in the ranks: it still holds
@@ -49,22 +52,8 @@ class ZoffSubprocessScriptLauncher(SubprocessScriptLauncher):
             # This process becomes rank 0 and would run configure_optimizers itself: running it here first differs
             # from that only in coming before the other ranks start.
             _check_before_ranks_start(trainer, function, args, kwargs, optimizers=True)
-        try:
-            return super().launch(function, *args, trainer=trainer, **kwargs)
-        except BaseException:
-            self._let_ranks_finish()
-            raise
-
-    def _let_ranks_finish(self, timeout_s: float = 20.0) -> None:
-        # The other ranks usually fail the same way: waiting a moment for them lets the main process's message be
-        # the last one the user reads, instead of a rank's copy racing it. A rank blocked in a collective is left
-        # to Lightning's process observer.
-        deadline = time.monotonic() + timeout_s
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:  # still running at the deadline
-                return
+            prepare_node()
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
 class ZoffMultiProcessingLauncher(MultiProcessingLauncher):

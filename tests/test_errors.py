@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import resource
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zoff import ZoffPrecision, ZoffStrategy
 from lightning_zoff.checks import check_configured_optimizers
@@ -160,6 +162,36 @@ def test_refused_before_the_ranks_start_with_the_message_once(tmp_path, mistake,
     # other work on a shared machine does not stretch as it stretches the wall-clock time. It waits for nothing: no
     # rank starts (above).
     assert cpu < 10, f"{cpu:.1f} s of CPU, {wall:.1f} s wall-clock"
+
+
+def checkpoint_of_another_model(tmp_path: Path) -> Path:
+    module = TinyModule()
+    module.model = TinyLM(n_blocks=2)  # the refused run's has 3 blocks
+    callbacks = [ModelCheckpoint(dirpath=tmp_path / "other", save_last=True, save_top_k=0)]
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=ZoffStrategy(start_method="fork"), max_steps=1,
+                         logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+    trainer.fit(module, token_loader(n=8))
+    return tmp_path / "other" / "last.ckpt"
+
+
+@pytest.mark.parametrize(("mistake", "message"), [
+    # every rank finds it when it compares the checkpoint with its model
+    ("other", r"(\[rank[01]\]: )lightning_zoff\.checkpoint_files\.CheckpointError: .*/meta\.pt: written for another"),
+    # rank 1 alone: rank 0 then loses it in a collective, an error of its own that follows from rank 1's
+    ("rank1", r"(\[rank1\]: )ValueError: rank 1 cannot go on"),
+])
+def test_an_error_in_the_ranks_prints_once_with_the_traceback_of_one_rank(tmp_path, mistake, message):
+    ckpt = [str(checkpoint_of_another_model(tmp_path))] if mistake == "other" else []
+    code, lines, _, _ = run_refused(mistake, *ckpt)
+    output = "\n".join(lines)
+    assert code != 0
+    assert "Initializing distributed: GLOBAL_RANK: 1" in output  # the ranks started
+    said = [i for i, line in enumerate(lines) if re.fullmatch(message + ".*", line)]
+    assert len(said) == 1, output[-3000:]
+    assert output.count("Traceback (most recent call last)") == 1
+    prefix = re.match(message, lines[said[0]])[1]  # the rank that printed it, on every line of its traceback
+    start = lines.index(prefix + "Traceback (most recent call last):")
+    assert all(line.startswith(prefix) for line in lines[start:said[0] + 1])
 
 
 def test_precision_64_is_refused_at_trainer_construction():

@@ -2,7 +2,9 @@
 mistake and argv[2], where given, the checkpoint to resume from.
 
 - `manual`: manual optimization; `sgd`: an optimizer zoff cannot run; `two`: two optimizers;
-- `missing`: a ckpt_path that does not exist; `foreign`: a ckpt_path that is no zoff checkpoint.
+- `missing`: a ckpt_path that does not exist; `foreign`: a ckpt_path that is no zoff checkpoint;
+- `other`: a zoff checkpoint of another model (known in the ranks only: each rank compares it with its model);
+- `rank1`: rank 1 alone fails in its first training step (rank 0 then loses it in a collective).
 """
 
 import sys
@@ -22,6 +24,11 @@ class Refused(TinyModule):
         super().__init__("sgd" if mistake == "sgd" else "adamw")
         self.mistake = mistake
         self.automatic_optimization = mistake != "manual"
+
+    def training_step(self, batch, batch_idx):
+        if self.mistake == "rank1" and self.global_rank == 1:
+            raise ValueError("rank 1 cannot go on")
+        return super().training_step(batch, batch_idx)
 
     def configure_optimizers(self):
         if self.mistake == "two":
