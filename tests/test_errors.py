@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import resource
 import subprocess
@@ -129,11 +130,13 @@ def test_configure_optimizers_is_checked_before_the_ranks_where_it_can_run():
 REFUSED = Path(__file__).parent / "scripts" / "refused.py"
 
 
-def run_refused(*args: str) -> tuple[int, list[str], float, float]:
+def run_refused(tmp_path: Path, *args: str) -> tuple[int, list[str], float, float]:
     """Runs tests/scripts/refused.py with the default launcher: its exit code, its output's lines, and the seconds it
-    took: of CPU (its own and its ranks', user and system) and of wall-clock time."""
+    took: of CPU (its own and its ranks', user and system) and of wall-clock time. Its temporary files go to
+    `tmp_path`."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
     before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
-    proc = subprocess.run([sys.executable, str(REFUSED), *args], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(REFUSED), *args], capture_output=True, text=True, timeout=300, env=env)
     wall, after = time.monotonic() - start, resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     return proc.returncode, (proc.stdout + proc.stderr).rstrip().splitlines(), cpu, wall
@@ -150,7 +153,7 @@ def test_refused_before_the_ranks_start_with_the_message_once(tmp_path, mistake,
     ckpt = tmp_path / ("notes.txt" if mistake == "foreign" else "missing.ckpt")
     if mistake == "foreign":
         ckpt.write_text("not a checkpoint")
-    code, lines, cpu, wall = run_refused(mistake, *([str(ckpt)] if mistake in ("missing", "foreign") else []))
+    code, lines, cpu, wall = run_refused(tmp_path, mistake, *([str(ckpt)] if mistake in ("missing", "foreign") else []))
     message = message.format(ckpt=ckpt)
     output = "\n".join(lines)
     assert code == 1
@@ -182,7 +185,7 @@ def checkpoint_of_another_model(tmp_path: Path) -> Path:
 ])
 def test_an_error_in_the_ranks_prints_once_with_the_traceback_of_one_rank(tmp_path, mistake, message):
     ckpt = [str(checkpoint_of_another_model(tmp_path))] if mistake == "other" else []
-    code, lines, _, _ = run_refused(mistake, *ckpt)
+    code, lines, _, _ = run_refused(tmp_path, mistake, *ckpt)
     output = "\n".join(lines)
     assert code != 0
     assert "Initializing distributed: GLOBAL_RANK: 1" in output  # the ranks started
