@@ -13,19 +13,21 @@ from lightning.fabric.utilities.distributed import (
     _init_dist_connection as init_dist_connection,
     _sync_ddp_if_available as sync_ddp_if_available,
 )
+from lightning.pytorch.core.optimizer import _configure_optimizers
 from lightning.pytorch.strategies.launchers import (
     _MultiProcessingLauncher as MultiProcessingLauncher,
     _SubprocessScriptLauncher as SubprocessScriptLauncher,
 )
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput as WorkerOutput
 from torch import nn
+from torch.distributed.utils import _apply_to_tensors
 
 __all__ = [
-    "MultiProcessingLauncher", "SubprocessScriptLauncher", "WorkerOutput", "all_gather_streams", "before_reduce",
-    "checkpoint_activations_of", "dcp_data_extents", "direct_tensors", "distributed_is_initialized",
-    "fsdp_param_group", "fused_adam_step", "hf_init_weights", "init_dist_connection", "launcher_strategy",
-    "replace_direct_tensor", "restore_post_backward", "set_strategy_launcher", "set_strategy_precision_plugin",
-    "strategy_precision_plugin", "sync_ddp_if_available", "unit_params",
+    "MultiProcessingLauncher", "SubprocessScriptLauncher", "WorkerOutput", "all_gather_streams", "apply_to_tensors",
+    "before_reduce", "checkpoint_activations_of", "dcp_data_extents", "direct_tensors", "distributed_is_initialized",
+    "fsdp_param_group", "fused_adam_step", "hf_init_weights", "init_dist_connection", "is_view", "launcher_strategy",
+    "optimizers_of", "replace_direct_tensor", "restore_post_backward", "set_strategy_launcher",
+    "set_strategy_precision_plugin", "strategy_precision_plugin", "sync_ddp_if_available", "unit_params",
 ]
 
 
@@ -50,6 +52,12 @@ def set_strategy_launcher(strategy: Any, launcher: Any) -> None:
 def launcher_strategy(launcher: Any) -> Any:
     """The strategy a Lightning multiprocessing launcher was built for."""
     return launcher._strategy
+
+
+def optimizers_of(configured: Any) -> list[Any]:
+    """The optimizers in what `configure_optimizers` returned (any of the forms Lightning accepts), as Lightning reads
+    them; raises for a form it does not accept."""
+    return _configure_optimizers(configured)[0]
 
 
 # -- torch ------------------------------------------------------------------------------------------------------
@@ -81,6 +89,17 @@ def dcp_data_extents(metadata: Any) -> dict[str, int]:
     for item in getattr(metadata, "storage_data", {}).values():
         needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
     return needed
+
+
+def is_view(tensor: torch.Tensor) -> bool:
+    """Whether autograd tracks `tensor` as a view of another tensor (its base)."""
+    return tensor._base is not None
+
+
+def apply_to_tensors(fn: Callable[[torch.Tensor], torch.Tensor], output: Any) -> Any:
+    """`output` with `fn` applied to each tensor in it, through tuples, lists, dicts and dataclasses (rebuilt): the
+    traversal FSDP2 itself casts a unit's output with."""
+    return _apply_to_tensors(fn, output)
 
 
 def fused_adam_step(decoupled: bool) -> Callable[..., None]:

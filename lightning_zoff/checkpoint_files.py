@@ -173,6 +173,17 @@ def check_format(checkpoint: dict[str, Any], path: Path) -> dict[str, Any]:
     return info
 
 
+def check_loadable(path: Path, weights_only: bool | None = None) -> None:
+    """Refuse what every rank's load would, whatever the model: no checkpoint at `path`, one that cannot be read, one
+    not in this version's format, a directory missing data its index names. Reads meta.pt and the index of a
+    directory, or the file memory-mapped; changes nothing on disk."""
+    if not path.exists() and _previous(path).exists():
+        return  # a save stopped between its two renames: the load puts the checkpoint back first (`recover`)
+    check_format(read(path, weights_only), path)
+    if path.is_dir():
+        check_complete(path)
+
+
 def check_compatible(checkpoint: dict[str, Any], path: Path, expected: dict[str, list[int]]) -> None:
     """Refuse checkpoints of another format version or another model. Another world size is fine: DCP reshards."""
     saved = check_format(checkpoint, path)["tensors"]

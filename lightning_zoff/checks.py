@@ -1,5 +1,6 @@
-"""What ZoffStrategy refuses, each as early as it can be known: its options in the constructor; the Trainer's settings
-and the model in setup (and in the launcher, before any rank starts); a predict dataloader before its first batch."""
+"""What ZoffStrategy refuses, each as early as it can be known: its options in the constructor; the Trainer's settings,
+the model and its optimizer in setup (and in the launcher, before any rank starts); a predict dataloader before its
+first batch."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper
 
-from lightning_zoff._compat import distributed_is_initialized
+from lightning_zoff._compat import distributed_is_initialized, optimizers_of
+from lightning_zoff.optim.rules import update_rule_for
 
 StartMethod = Literal["subprocess", "fork", "spawn", "forkserver"]
 ACCUM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -55,6 +57,43 @@ def check_supported(trainer: Any, module: Any) -> None:
         raise ValueError(
             "strategy='zoff' clips gradients by norm only; use gradient_clip_algorithm='norm' (the default)."
         )
+
+
+ONE_OPTIMIZER = (
+    "strategy='zoff' drives exactly one optimizer; configure_optimizers returned {}. Put all parameters in one"
+    " optimizer, using param groups for different settings."
+)
+
+
+def check_optimizers(optimizers: list[Any]) -> None:
+    """Refuse what the engine cannot step: other than one optimizer, or one of a class zoff has no update for."""
+    if len(optimizers) != 1:
+        raise ValueError(ONE_OPTIMIZER.format(len(optimizers)))
+    update_rule_for(optimizers[0])
+
+
+def check_configured_optimizers(module: Any) -> None:
+    """`check_optimizers` on what `module.configure_optimizers()` returns when run in this process before the ranks
+    start: on the module as built so far, attached to no Trainer and under torch.device("meta") (whatever it allocates
+    costs nothing). A configure_optimizers that needs what only a rank has (the Trainer, a model built in
+    configure_model) fails here; that failure is not the user's mistake, and the ranks then run it for real."""
+    if _attached(module):  # to an earlier run's Trainer, whose state it could read or change
+        return
+    try:
+        with torch.device("meta"):
+            configured = module.configure_optimizers()
+        optimizers = optimizers_of(configured)
+    except Exception:
+        return
+    if configured is not None:  # none: Lightning warns and the ranks refuse its stand-in
+        check_optimizers(optimizers)
+
+
+def _attached(module: Any) -> bool:
+    try:
+        return module.trainer is not None
+    except RuntimeError:  # Lightning's answer for a module not attached to a Trainer, as before its first fit
+        return False
 
 
 def check_accum_dtype(grad_accum_dtype: str, precision: str, param_dtype: torch.dtype) -> None:

@@ -2,7 +2,9 @@
 
 The multiprocessing launcher (fork/spawn/forkserver) hands back the run's state and metrics, the trained fp32 weights
 only when asked (``ZoffStrategy(weights_to_main_process=True)``), a rank's exception as that exception, and, when the
-OS kills a rank, how much memory it had used. Both launchers refuse what zoff cannot train before any rank starts.
+OS kills a rank, how much memory it had used. The subprocess launcher (Lightning's default) has each node's first
+failing rank print its error, and no other (`rank_errors`). Both launchers refuse what zoff cannot run before any rank
+starts.
 """
 
 from __future__ import annotations
@@ -17,18 +19,18 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psutil
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 from typing_extensions import override
 
+from lightning_zoff import checkpoint_files
 from lightning_zoff._compat import MultiProcessingLauncher, SubprocessScriptLauncher, WorkerOutput, launcher_strategy
+from lightning_zoff.checks import check_configured_optimizers, check_supported
+from lightning_zoff.rank_errors import prepare_node
 from lightning_zoff.sharding import param_names
-
-if TYPE_CHECKING:  # the strategy imports this module
-    pass
 
 # Set on the main process's LightningModule after a fit whose trained weights stayed in the ranks: it still holds
 # the weights it had before that fit. Loading weights into it clears the mark.
@@ -44,29 +46,21 @@ class ZoffSubprocessScriptLauncher(SubprocessScriptLauncher):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        _check_supported(trainer)
-        try:
-            return super().launch(function, *args, trainer=trainer, **kwargs)
-        except BaseException:
-            self._let_ranks_finish()
-            raise
-
-    def _let_ranks_finish(self, timeout_s: float = 20.0) -> None:
-        # The other ranks usually fail the same way: waiting a moment for them lets the main process's message be
-        # the last one the user reads, instead of a rank's copy racing it. A rank blocked in a collective is left
-        # to Lightning's process observer.
-        deadline = time.monotonic() + timeout_s
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:  # still running at the deadline
-                return
+        if self.cluster_environment.creates_processes_externally:  # the ranks run already (a later fit or test)
+            _check_supported(trainer)
+        else:
+            # This process becomes rank 0 and would run configure_optimizers itself: running it here first differs
+            # from that only in coming before the other ranks start.
+            _check_before_ranks_start(trainer, function, args, kwargs, optimizers=True)
+            prepare_node()
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
 class ZoffMultiProcessingLauncher(MultiProcessingLauncher):
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        _check_supported(trainer)
+        # not configure_optimizers: with fork, whatever it touched (CUDA) would be the ranks' too
+        _check_before_ranks_start(trainer, function, args, kwargs, optimizers=False)
         if trainer is not None:
             _check_weights_current(function, args, kwargs, trainer)
         self._error_dir = tempfile.mkdtemp(prefix="zoff-errors-")
@@ -173,7 +167,36 @@ class ZoffMultiProcessingLauncher(MultiProcessingLauncher):
 def _check_supported(trainer: Any) -> None:
     # what the strategy's setup would refuse in every rank, known here already: refused before any rank starts
     if trainer is not None and trainer.lightning_module is not None:
-        trainer.strategy._check_supported(trainer, trainer.lightning_module)
+        check_supported(trainer, trainer.lightning_module)
+
+
+def _check_before_ranks_start(trainer: Any, function: Callable, args: Any, kwargs: Any, optimizers: bool) -> None:
+    """Refuse here what every rank would: the Trainer's settings and the model (`check_supported`), the optimizer
+    (`optimizers`: see `check_configured_optimizers`) and a `ckpt_path` that names no checkpoint zoff can load. The
+    refusal's message says it all, so it comes without the frames of the checks."""
+    if trainer is None or trainer.lightning_module is None:
+        return
+    call = inspect.signature(function).bind(*args, **kwargs).arguments
+    path = _checkpoint_file(call.get("ckpt_path"))
+    try:
+        check_supported(trainer, trainer.lightning_module)
+        if optimizers and trainer.state.fn == TrainerFn.FITTING:
+            check_configured_optimizers(trainer.lightning_module)
+        if path is not None:
+            checkpoint_files.check_loadable(path, call.get("weights_only"))
+    except (ValueError, TypeError, checkpoint_files.CheckpointError) as refusal:
+        raise refusal.with_traceback(None) from None
+
+
+def _checkpoint_file(ckpt_path: Any) -> Path | None:
+    """The local path `ckpt_path` names, or None for none, for the names Lightning resolves itself ("best", "last",
+    "hpc", a model registry's) and for a URL."""
+    if ckpt_path is None:
+        return None
+    name = str(ckpt_path)
+    if name in ("best", "last", "hpc") or name.lower().split(":")[0] == "registry" or "://" in name:
+        return None
+    return Path(name)
 
 
 def _check_weights_current(function: Callable, args: Any, kwargs: Any, trainer: Any) -> None:

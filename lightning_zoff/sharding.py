@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -13,7 +14,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from lightning_zoff._compat import checkpoint_activations_of, direct_tensors, hf_init_weights, replace_direct_tensor
+from lightning_zoff._compat import (
+    apply_to_tensors,
+    checkpoint_activations_of,
+    direct_tensors,
+    hf_init_weights,
+    is_view,
+    replace_direct_tensor,
+)
 from lightning_zoff.offload.layout import padded_shard_numel
 from lightning_zoff.offload.memory_plan import UnitShape
 
@@ -125,6 +133,7 @@ def shard_model(
             for name, p in _untaken(model, prefix, masters):
                 masters[name] = local_chunk(p.detach(), world_size, rank).to(torch.float32, copy=True)
                 p.data = p.data.to(param_dtype)
+        unit.register_forward_hook(_output_not_a_view)  # runs before the hook fully_shard adds
         fully_shard(unit, mesh=mesh, reshard_after_forward=True)
     materialize(model, init_fn)  # buffers of top-level children that hold no parameters
     sharded = dict(model.named_parameters())
@@ -152,6 +161,31 @@ def unit_shapes_before_sharding(model: nn.Module, units: list[tuple[str, nn.Modu
             reduced += padded if p.requires_grad else 0
         shapes.append(UnitShape(unit_name, reduced, reduced, True))
     return shapes, model_bytes
+
+
+def _output_not_a_view(module: nn.Module, args: Any, output: Any) -> Any:
+    """A unit's output that is a view, as a tensor of its own (a copy); None (the output as it is) otherwise.
+
+    FSDP2 hooks each tensor a unit returns, to all-gather the unit's parameters again before its backward. An in-place
+    op on a view (`logits += mask`) moves that view onto a new autograd node, so the hook would never run and backward
+    would read freed parameters. torch's `nn.Linear` with a bias returns such a view for a 3-d input (its 2-d matmul
+    result reshaped): a head at the top of a model is one, and FSDP2 warns about it on every rank. The copy costs one
+    pass over that output, and no memory kept: unless backward needs it, the view's base goes with the view."""
+    if torch.is_grad_enabled() and _holds_a_view(output):
+        return apply_to_tensors(lambda t: t.clone() if t.requires_grad and is_view(t) else t, output)
+    return None
+
+
+def _holds_a_view(output: Any) -> bool:
+    if isinstance(output, torch.Tensor):
+        return output.requires_grad and is_view(output)
+    if isinstance(output, dict):
+        return any(_holds_a_view(v) for v in output.values())
+    if isinstance(output, (list, tuple)):
+        return any(_holds_a_view(v) for v in output)
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        return any(_holds_a_view(getattr(output, f.name)) for f in dataclasses.fields(output))
+    return False
 
 
 def _untaken(model: nn.Module, prefix: str, taken: dict[str, torch.Tensor]) -> list[tuple[str, nn.Parameter]]:

@@ -24,8 +24,10 @@ from lightning_zoff._compat import distributed_is_initialized, set_strategy_prec
 from lightning_zoff.checks import (
     ACCUM_DTYPES,
     MOMENT_DTYPES,
+    ONE_OPTIMIZER,
     StartMethod,
     check_accum_dtype,
+    check_optimizers,
     check_options,
     check_supported,
 )
@@ -215,7 +217,7 @@ class ZoffStrategy(CheckpointingStrategy, ProcessGroupStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self._module
-        self._check_supported(trainer, module)
+        check_supported(trainer, module)  # the launchers call it too, before any rank starts
         self._check_accum_dtype()
         self.precision_plugin.device_type = self.root_device.type
         self._timer = StepTimer(self.root_device)
@@ -278,28 +280,20 @@ class ZoffStrategy(CheckpointingStrategy, ProcessGroupStrategy):
                            self.accelerator_state, model_bytes=model_bytes,
                            masters_bytes=model_bytes * 4 // param_bytes)
 
-    def _check_supported(self, trainer: Any, module: Any) -> None:
-        check_supported(trainer, module)  # the launchers call it too, before any rank starts
-
     def _check_accum_dtype(self) -> None:
         precision = self.precision_plugin
         check_accum_dtype(self.grad_accum_dtype, precision.precision, precision.param_dtype)
 
     @override
     def setup_optimizers(self, trainer: Any) -> None:
-        one_optimizer = (
-            "strategy='zoff' drives exactly one optimizer; configure_optimizers returned {}. Put all parameters in"
-            " one optimizer, using param groups for different settings."
-        )
         try:
             super().setup_optimizers(trainer)
         except RuntimeError as err:
             # Lightning's own message points at manual optimization, which zoff does not support.
             if "multiple optimizers" in str(err):
-                raise ValueError(one_optimizer.format("several")) from err
+                raise ValueError(ONE_OPTIMIZER.format("several")) from err
             raise
-        if len(self.optimizers) != 1:
-            raise ValueError(one_optimizer.format(len(self.optimizers)))
+        check_optimizers(self.optimizers)
         if self.engine is not None:
             # As under every Lightning strategy, a new fit steps the optimizer configure_optimizers just returned, from
             # fresh state (a resume with ckpt_path restores it later, in load_checkpoint); the fp32 masters carry over.

@@ -27,6 +27,7 @@ from lightning_zoff.cpus import CpuLayout, bind_rank, plan_layout
 from lightning_zoff.launchers import ZoffMultiProcessingLauncher, ZoffSubprocessScriptLauncher
 from lightning_zoff.malloc import fix_mmap_threshold
 from lightning_zoff.node_log import speak_for_node
+from lightning_zoff.rank_errors import report_once_per_node
 
 log = logging.getLogger("lightning_zoff")
 
@@ -109,6 +110,7 @@ class ProcessGroupStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout)
         speak_for_node(self.local_rank)
+        report_once_per_node(self.local_rank)  # after init: torch's hook, which it wraps, prefixes the rank
         self._cpu_layout = self._plan_cpu_layout()
         binding = bind_rank(self._cpu_layout, self.root_device.type, self.offload)
         log.debug("zoff rank %d (local %d of %d): %s; %s", self.global_rank, self.local_rank, self.num_processes,

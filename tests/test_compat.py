@@ -217,3 +217,38 @@ def test_dcp_data_extents_are_the_files_dcp_wrote(tmp_path):
     assert sum(extents.values()) >= 2 * 16 * 4, extents  # both tensors' bytes, in files the index names
     for name, size in extents.items():
         assert 0 < size <= (tmp_path / name).stat().st_size
+
+
+def test_is_view_and_apply_to_tensors_see_what_fsdp2_sees():
+    import dataclasses
+
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    view, own = nn.Linear(4, 5)(x), nn.Linear(4, 5, bias=False)(x)  # torch reshapes the biased 2-d result: a view
+    assert _compat.is_view(view)
+    assert not _compat.is_view(own)
+
+    @dataclasses.dataclass
+    class Out:
+        logits: torch.Tensor
+        extra: tuple
+
+    out = _compat.apply_to_tensors(torch.neg, Out(view, ([own], {"k": own}, 3)))
+    assert isinstance(out, Out)
+    torch.testing.assert_close(out.logits, -view)
+    assert isinstance(out.extra[0], list)
+    assert out.extra[2] == 3
+    torch.testing.assert_close(out.extra[1]["k"], -own)
+
+
+def test_optimizers_of_reads_every_form_configure_optimizers_may_return():
+    import pytest
+
+    opt_a, opt_b = (torch.optim.AdamW([nn.Parameter(torch.zeros(2))]) for _ in range(2))
+    scheduler = torch.optim.lr_scheduler.StepLR(opt_a, step_size=1)
+    assert _compat.optimizers_of(opt_a) == [opt_a]
+    assert _compat.optimizers_of([opt_a, opt_b]) == [opt_a, opt_b]
+    assert _compat.optimizers_of({"optimizer": opt_a, "lr_scheduler": scheduler}) == [opt_a]
+    assert _compat.optimizers_of(([opt_a], [scheduler])) == [opt_a]
+    assert _compat.optimizers_of([{"optimizer": opt_a}, {"optimizer": opt_b}]) == [opt_a, opt_b]
+    with pytest.raises(Exception, match="Unknown configuration"):
+        _compat.optimizers_of("adamw")

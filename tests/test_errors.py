@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import re
+import resource
 import subprocess
 import sys
+import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,9 +15,11 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zoff import ZoffPrecision, ZoffStrategy
-from tiny import TinyModule, token_loader
+from lightning_zoff.checks import check_configured_optimizers
+from tiny import TinyLM, TinyModule, token_loader
 
 
 class NoStep(TinyModule):
@@ -80,20 +86,115 @@ def test_manual_optimization():
     assert trainer.strategy.launcher.procs == []
 
 
-@pytest.mark.parametrize(("mistake", "last_line"), [
-    # known before the ranks start: refused in the main process, so no rank prints a traceback of its own
+class NeedsTheTrainer(NoStep):
+    def configure_optimizers(self):
+        total = self.trainer.estimated_stepping_batches
+        return torch.optim.SGD(self.parameters(), lr=1.0 / total)
+
+
+class BuiltInConfigureModel(NoStep):
+    def __init__(self):
+        super().__init__("sgd")
+        del self.model
+
+    def configure_model(self):
+        if not hasattr(self, "model"):
+            self.model = TinyLM()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class RecordsWhereItAllocates(TinyModule):
+    def configure_optimizers(self):
+        self.scratch = torch.zeros(4)
+        return super().configure_optimizers()
+
+
+def test_configure_optimizers_is_checked_before_the_ranks_where_it_can_run():
+    with fails(TypeError, r"configure_optimizers returned torch\.optim\.sgd\.SGD"):
+        check_configured_optimizers(TinyModule("sgd"))  # returned with an LR scheduler, in a dict
+    with fails(ValueError, "exactly one optimizer; configure_optimizers returned 2"):
+        check_configured_optimizers(TwoOptimizers())
+    module = RecordsWhereItAllocates()
+    check_configured_optimizers(module)  # AdamW: fine
+    assert module.scratch.is_meta  # what it allocates here costs nothing
+    # what needs the ranks is left to them: no refusal here, whatever they will find
+    check_configured_optimizers(NeedsTheTrainer("sgd"))  # not attached to a Trainer yet
+    check_configured_optimizers(BuiltInConfigureModel())  # no parameters yet: torch refuses an empty list here
+    attached = TinyModule("sgd")
+    attached.trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    check_configured_optimizers(attached)  # an earlier run's Trainer: not asked here
+
+
+REFUSED = Path(__file__).parent / "scripts" / "refused.py"
+
+
+def run_refused(tmp_path: Path, *args: str) -> tuple[int, list[str], float, float]:
+    """Runs tests/scripts/refused.py with the default launcher: its exit code, its output's lines, and the seconds it
+    took: of CPU (its own and its ranks', user and system) and of wall-clock time. Its temporary files go to
+    `tmp_path`."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
+    proc = subprocess.run([sys.executable, str(REFUSED), *args], capture_output=True, text=True, timeout=300, env=env)
+    wall, after = time.monotonic() - start, resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return proc.returncode, (proc.stdout + proc.stderr).rstrip().splitlines(), cpu, wall
+
+
+@pytest.mark.parametrize(("mistake", "message"), [
     ("manual", "ValueError: strategy='zoff' supports automatic optimization only"),
-    # known in the ranks only (configure_optimizers): the main process is rank 0 and its message comes last
-    ("sgd", "[rank0]: TypeError: strategy='zoff' runs the optimizer step on the CPU and supports"),
+    ("sgd", "TypeError: strategy='zoff' runs the optimizer step on the CPU and supports torch.optim.AdamW"),
+    ("two", "ValueError: strategy='zoff' drives exactly one optimizer; configure_optimizers returned 2."),
+    ("missing", "lightning_zoff.checkpoint_files.CheckpointError: {ckpt}: no such checkpoint"),
+    ("foreign", "lightning_zoff.checkpoint_files.CheckpointError: {ckpt}: cannot be read"),
 ])
-def test_default_launcher_ends_with_the_message(tmp_path, mistake, last_line):
-    script = Path(__file__).parent / "scripts" / "refused.py"
-    proc = subprocess.run([sys.executable, str(script), mistake], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1
-    assert proc.stderr.rstrip().splitlines()[-1].startswith(last_line), proc.stderr[-3000:]
-    if mistake == "manual":
-        assert "[rank" not in proc.stderr
-        assert "Initializing distributed" not in proc.stderr
+def test_refused_before_the_ranks_start_with_the_message_once(tmp_path, mistake, message):
+    ckpt = tmp_path / ("notes.txt" if mistake == "foreign" else "missing.ckpt")
+    if mistake == "foreign":
+        ckpt.write_text("not a checkpoint")
+    code, lines, cpu, wall = run_refused(tmp_path, mistake, *([str(ckpt)] if mistake in ("missing", "foreign") else []))
+    message = message.format(ckpt=ckpt)
+    output = "\n".join(lines)
+    assert code == 1
+    assert lines[-1].startswith(message), output[-3000:]
+    assert output.count(message) == 1
+    assert len(lines) < 25, output
+    assert "Initializing distributed" not in output  # no rank started, so none printed a traceback of its own
+    # The whole command (interpreter, imports, refusal) in CPU seconds: what it takes with the machine to itself, which
+    # other work on a shared machine does not stretch as it stretches the wall-clock time. It waits for nothing: no
+    # rank starts (above).
+    assert cpu < 10, f"{cpu:.1f} s of CPU, {wall:.1f} s wall-clock"
+
+
+def checkpoint_of_another_model(tmp_path: Path) -> Path:
+    module = TinyModule()
+    module.model = TinyLM(n_blocks=2)  # the refused run's has 3 blocks
+    callbacks = [ModelCheckpoint(dirpath=tmp_path / "other", save_last=True, save_top_k=0)]
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=ZoffStrategy(start_method="fork"), max_steps=1,
+                         logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+    trainer.fit(module, token_loader(n=8))
+    return tmp_path / "other" / "last.ckpt"
+
+
+@pytest.mark.parametrize(("mistake", "message"), [
+    # every rank finds it when it compares the checkpoint with its model
+    ("other", r"(\[rank[01]\]: )lightning_zoff\.checkpoint_files\.CheckpointError: .*/meta\.pt: written for another"),
+    # rank 1 alone: rank 0 then loses it in a collective, an error of its own that follows from rank 1's
+    ("rank1", r"(\[rank1\]: )ValueError: rank 1 cannot go on"),
+])
+def test_an_error_in_the_ranks_prints_once_with_the_traceback_of_one_rank(tmp_path, mistake, message):
+    ckpt = [str(checkpoint_of_another_model(tmp_path))] if mistake == "other" else []
+    code, lines, _, _ = run_refused(tmp_path, mistake, *ckpt)
+    output = "\n".join(lines)
+    assert code != 0
+    assert "Initializing distributed: GLOBAL_RANK: 1" in output  # the ranks started
+    said = [i for i, line in enumerate(lines) if re.fullmatch(message + ".*", line)]
+    assert len(said) == 1, output[-3000:]
+    assert output.count("Traceback (most recent call last)") == 1
+    prefix = re.match(message, lines[said[0]])[1]  # the rank that printed it, on every line of its traceback
+    start = lines.index(prefix + "Traceback (most recent call last):")
+    assert all(line.startswith(prefix) for line in lines[start:said[0] + 1])
 
 
 def test_precision_64_is_refused_at_trainer_construction():

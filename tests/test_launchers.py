@@ -115,3 +115,29 @@ def test_a_killed_rank_is_reported_as_out_of_memory_with_its_peak(tmp_path):
     assert own > 200, (reported, own)
     assert abs(reported - own) <= 0.02 * own, (reported, own)
     assert re.search(r"rank 0 [\d,]+ MB", message)
+
+
+def test_the_first_failing_rank_of_a_node_claims_the_message(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+    import tempfile
+
+    from lightning_zoff import rank_errors
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv(rank_errors.ENV, "")  # restored (unset) after the test: prepare_node sets it
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f"zoff-node-errors-{ended.stdout.strip()}-a"
+    running = tmp_path / f"zoff-node-errors-{os.getpid()}-b"
+    stale.mkdir()
+    running.mkdir()
+    rank_errors.prepare_node()
+    assert not stale.exists()  # left by a run whose main process has ended
+    assert running.exists()
+    board = tmp_path / os.environ[rank_errors.ENV]
+    assert board.is_dir()
+    assert board.name.startswith(f"zoff-node-errors-{os.getpid()}-")
+    assert rank_errors._claim(board, 1)
+    assert (board / "first").read_text() == "1"
+    assert not rank_errors._claim(board, 0)  # rank 1 was first: rank 0 stays quiet
+    assert rank_errors._claim(tmp_path / "gone", 0)  # no board (its run ended well): nobody else speaks
