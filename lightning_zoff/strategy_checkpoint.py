@@ -78,7 +78,7 @@ class CheckpointingStrategy(ParallelStrategy):
         path = Path(self.broadcast(str(filepath)))  # every rank writes where rank 0 says
         checkpoint["zoff"] = checkpoint_files.zoff_info(checkpoint["state_dict"], self.state_dict_type, self.world_size)
         if self.state_dict_type == "sharded":
-            checkpoint_files.save_sharded(checkpoint, path, self.global_rank, self.barrier)
+            checkpoint_files.save_sharded(checkpoint, path, self.global_rank, self.world_size, self.barrier)
         elif self.is_global_zero:
             checkpoint_files.save_full(checkpoint, path)
 
@@ -118,7 +118,7 @@ class CheckpointingStrategy(ParallelStrategy):
 
     def _read_tensors(self, path: Path, checkpoint: dict[str, Any], targets: dict[str, Any]) -> None:
         if path.is_dir():
-            checkpoint_files.load_sharded(path, targets)
+            checkpoint_files.load_sharded(path, checkpoint["zoff"], targets)
             return
         full = {"state_dict": checkpoint["state_dict"]}
         if "optimizer_0" in targets:
