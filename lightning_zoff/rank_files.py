@@ -66,28 +66,31 @@ def _row_numel(shape: tuple[int, ...] | torch.Size) -> int:
 
 class Staging:
     """A bounded host buffer that bytes pass through where they cannot go straight between a tensor and a file: to or
-    from the accelerator, or converted to another dtype. Pinned when CUDA is there (a faster copy), allocated on
-    first use."""
+    from the accelerator, or converted to another dtype. Allocated on first use; pinned once it serves a CUDA tensor
+    (a faster copy), so a run on the CPU alone never touches CUDA."""
 
     def __init__(self, nbytes: int = STAGING_BYTES) -> None:
         self.nbytes = max(nbytes, 16)
         self._buffer: torch.Tensor | None = None
+        self._pin_refused = False
 
     def piece_numel(self, dtype: torch.dtype) -> int:
-        return max(self.nbytes // _itemsize(dtype), 1)
+        return max(self.nbytes // dtype.itemsize, 1)
 
-    def view(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        if self._buffer is None:
-            pin = torch.cuda.is_available()
+    def view(self, dtype: torch.dtype, numel: int, other: torch.device) -> torch.Tensor:
+        """`numel` elements of `dtype` of the buffer, for a copy to or from a tensor on `other`."""
+        pin = other.type == "cuda" and not self._pin_refused
+        if self._buffer is None or (pin and not self._buffer.is_pinned()):
+            self._buffer = self._allocate(pin)
+        return self._buffer[: numel * dtype.itemsize].view(dtype)
+
+    def _allocate(self, pin: bool) -> torch.Tensor:
+        if pin:
             try:
-                self._buffer = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin)
+                return torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
             except RuntimeError:  # pinning refused (memlock limit): pageable is only slower
-                self._buffer = torch.empty(self.nbytes, dtype=torch.uint8)
-        return self._buffer[: numel * _itemsize(dtype)].view(dtype)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+                self._pin_refused = True
+        return torch.empty(self.nbytes, dtype=torch.uint8)
 
 
 def _bytes(flat: torch.Tensor) -> memoryview:
@@ -135,7 +138,7 @@ def _write_tensor(f: BinaryIO, flat: torch.Tensor, staging: Staging) -> None:
     step = staging.piece_numel(flat.dtype)
     for begin in range(0, flat.numel(), step):
         piece = flat[begin : begin + step]
-        buffer = staging.view(flat.dtype, piece.numel())
+        buffer = staging.view(flat.dtype, piece.numel(), flat.device)
         buffer.copy_(piece)
         f.write(_bytes(buffer))
 
@@ -191,7 +194,7 @@ class RankFiles:
                 continue
             if lo > covered:
                 break
-            size = _itemsize(piece.dtype)
+            size = piece.dtype.itemsize
             _read(piece.file, piece.offset + (lo - piece.start) * row_numel * size, piece.dtype,
                   flat[(lo - start) * row_numel : (hi - start) * row_numel], staging)
             covered = max(covered, hi)
@@ -208,7 +211,7 @@ def _read(file: Path, offset: int, dtype: torch.dtype, into: torch.Tensor, stagi
         step = staging.piece_numel(dtype)
         for begin in range(0, into.numel(), step):
             piece = into[begin : begin + step]
-            buffer = staging.view(dtype, piece.numel())
+            buffer = staging.view(dtype, piece.numel(), into.device)
             _read_exactly(f, _bytes(buffer), file)
             piece.copy_(buffer)
 
