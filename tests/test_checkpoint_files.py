@@ -42,7 +42,7 @@ class KeepWhole(pl.Callback):
 
 
 def test_the_example_gpt_saves_one_file_per_rank_and_meta(tmp_path):
-    # the main job's model: conf/model's default (372 files in format version 1, one per tensor and rank)
+    # the main job's model: conf/model's default (373 files in format version 1: one per tensor and rank)
     module = hydra.utils.instantiate(OmegaConf.load(ROOT / "conf" / "model" / "gpt_tiny.yaml"))
     block, vocab = module.hparams.block_size, module.hparams.vocab_size
     tokens = torch.randint(0, vocab, (4, block + 1), generator=torch.Generator().manual_seed(0))
