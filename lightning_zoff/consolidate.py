@@ -53,8 +53,8 @@ def consolidate(ckpt_dir: str | Path, out_file: str | Path, buffer_mb: int = 256
         files = RankFiles(rank_file_paths(src, info))
         specs = {name: (torch.Size(info["tensors"][name]), files.dtype(f"state_dict/{name}")) for name in names}
         _write(checkpoint, src, out, names, specs, buffer_mb, progress, files)
-    except (dcp_files.DcpFileError, RankFileError) as err:
-        raise CheckpointError(f"{src}: {err}") from err
+    except (dcp_files.DcpFileError, RankFileError) as err:  # names its file, or else the tensor
+        raise CheckpointError(str(err) if str(src) in str(err) else f"{src}: {err}") from err
 
 
 def _write(checkpoint: dict[str, Any], src: Path, out: Path, names: list[str],
