@@ -18,12 +18,13 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from format_1 import SaveFormat1
-from lightning_zoff import ZoffStrategy
+from lightning_zoff import ZoffPrecision, ZoffStrategy
 from lightning_zoff.checkpoint_files import CheckpointError
 from lightning_zoff.consolidate import consolidate
 from lightning_zoff.rank_files import RankFiles, Rows, Staging, chunk_start, file_name, write_rank_file
 from resume_run import resume_fit
 from safetensors_reader import rank_file_tensors
+from tiny import TinyModule
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP6 = "epoch=0-step=6.ckpt"
@@ -112,6 +113,37 @@ def test_a_resume_on_two_ranks_from_one_rank_reshards(tmp_path):
     got = torch.tensor([two[0]["losses"], two[1]["losses"]], dtype=torch.float64).mean(0)
     want = torch.tensor(one[0]["losses"][6:], dtype=torch.float64)
     assert ((got - want).abs() / want).max() < 1e-5
+
+
+def with_a_frozen_block() -> TinyModule:
+    torch.manual_seed(3)
+    module = TinyModule()
+    module.model.blocks[0].requires_grad_(False)
+    return module
+
+
+def test_frozen_parameters_are_saved_as_the_model_holds_them_and_resume(tmp_path):
+    bf16 = lambda: [ZoffPrecision("bf16-mixed")]  # noqa: E731
+    every6 = ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1, every_n_train_steps=6)
+    full = resume_fit(tmp_path / "full", module=with_a_frozen_block(), plugins=bf16(), callbacks=[every6])
+    resumed = resume_fit(tmp_path / "resumed", module=with_a_frozen_block(), plugins=bf16(),
+                         ckpt_path=tmp_path / "ck" / STEP6)
+    for rank in (0, 1):
+        assert resumed[rank]["losses"] == full[rank]["losses"][6:]
+    held = rank_file_tensors(tmp_path / "ck" / STEP6)
+    consolidate(tmp_path / "ck" / STEP6, tmp_path / "one.pt", progress=False)
+    one = torch.load(tmp_path / "one.pt", weights_only=True)["state_dict"]
+    initial = with_a_frozen_block().state_dict()
+    for name, tensor in initial.items():
+        saved = held[f"state_dict/{name}"]
+        assert one[name].dtype == torch.float32
+        if name.startswith("model.blocks.0."):  # frozen: its 16-bit value, never trained, in 16 bits and whole
+            assert saved.dtype == torch.bfloat16, name
+            assert torch.equal(saved, tensor.bfloat16()), name
+            assert torch.equal(one[name], saved.float()), name
+        else:  # trained: the fp32 master
+            assert saved.dtype == torch.float32, name
+            assert torch.equal(one[name], saved), name
 
 
 @pytest.fixture(scope="module")
