@@ -157,8 +157,11 @@ def _rows(tensor: torch.Tensor, rank: int | None) -> Rows | None:
     if isinstance(tensor, DTensor):
         mesh, placements = tensor.device_mesh, tuple(tensor.placements)
         if mesh.ndim == 1 and placements == (Shard(0),):
-            local = tensor.to_local()
-            start = rank_files.chunk_start(tensor.shape[0], mesh.size(), mesh.get_local_rank())
+            local, rows, world, rank_of = tensor.to_local(), tensor.shape[0], mesh.size(), mesh.get_local_rank()
+            start = rank_files.chunk_start(rows, world, rank_of)
+            if start + len(local) != rank_files.chunk_start(rows, world, rank_of + 1):
+                raise ValueError(f"a DTensor of {rows} rows whose shard on rank {rank_of} of {world} holds {len(local)}"
+                                 " rows, not torch.chunk's")
             return Rows(local, tuple(tensor.shape), start)
         if not all(isinstance(p, Replicate) for p in placements):
             raise ValueError(f"a DTensor placed {placements} on a {mesh.ndim}-D mesh; checkpoints hold Shard(0) on"
