@@ -1,12 +1,12 @@
 """Checkpoints on disk, and the checks that refuse a damaged or foreign one before anything is loaded.
 
 Sharded (a directory): ``rank{r}.safetensors``, one file per rank (`rank_files`), holds that rank's rows of every
-tensor by name: the module's state dict with fp32 master weights under ``state_dict/``, the moments and step counts
-under ``optimizer_0/``; any world size reads them back. ``meta.pt`` holds the rest of Lightning's checkpoint (loops,
-LR schedulers, callbacks, loss scaler, param groups) and zoff's description under ``"zoff"`` (format version, tensor
-names and shapes, the rank files and their sizes); it is written last. Directories of format version 1 (one
-torch.distributed.checkpoint file per tensor, `dcp_files`) still load. Full: one ``torch.save`` file holding whole
-tensors, loadable without zoff.
+tensor by name: the module's state dict with fp32 master weights under ``state_dict/`` (a frozen parameter as the
+model holds it), the moments and step counts under ``optimizer_0/``; any world size reads them back. ``meta.pt``
+holds the rest of Lightning's checkpoint (loops, LR schedulers, callbacks, loss scaler, param groups) and zoff's
+description under ``"zoff"`` (format version, tensor names and shapes, the rank files and their sizes); it is written
+last. Directories of format version 1 (one torch.distributed.checkpoint file per tensor, `dcp_files`) still load.
+Full: one ``torch.save`` file holding whole tensors, loadable without zoff.
 
 Both are written under a temporary name next to the target and renamed when complete, so a crash during a save
 leaves the previous checkpoint whole.
