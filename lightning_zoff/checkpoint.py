@@ -1,7 +1,7 @@
 """What a checkpoint holds, by the LightningModule's own parameter names: the engine's fp32 master weights and
-optimizer moments, either as sharded views (DTensors over this rank's rows, which torch.distributed.checkpoint
-reshards to any world size) or gathered whole; and the restore of both into the engine and the model's
-16-bit shards.
+optimizer moments, either as sharded views (DTensors over this rank's rows where they live, on the host or the
+accelerator, which a load fills in place at any world size) or gathered whole; and the restore of the rest (step
+counts, param groups, the model's 16-bit shards).
 
 Optimizer state follows torch's layout keyed by name: ``{"state": {name: {"exp_avg", "exp_avg_sq", "step"}},
 "param_groups": [{..., "params": [names]}]}``.
@@ -39,20 +39,11 @@ class ParamEntry:
         """Whether the optimizer trains it; if not (frozen, or outside the optimizer) its value is the accelerator's."""
         return self.state.master is not None
 
-    def fp32_rows(self) -> torch.Tensor:
-        """This rank's rows as fp32 on the host: the master when trained (a view when the master lives on the host),
-        else a copy of the accelerator's value. `finish_restore` writes what was loaded into a copy back."""
-        if self.state.master is not None:
-            return _on_host(self.state.master)
-        return self.state.local.detach().to("cpu", torch.float32, copy=True)
-
-    def moments(self) -> dict[str, torch.Tensor]:
-        """This rank's moments on the host: views, or copies of those placed on the accelerator."""
-        return {key: _on_host(rows) for key, rows in self.state.moments.items()}
-
-
-def _on_host(rows: torch.Tensor) -> torch.Tensor:
-    return rows if rows.device.type == "cpu" else rows.to("cpu", copy=True)
+    @property
+    def rows(self) -> torch.Tensor:
+        """This rank's rows of the parameter where they live: the fp32 master when trained (on the host or the
+        accelerator), else the model's own 16-bit shard."""
+        return self.state.master if self.state.master is not None else self.state.local.detach()
 
 
 def param_entries(module: nn.Module, engine: OffloadEngine) -> Iterator[tuple[list[str], ParamEntry]]:
@@ -62,34 +53,44 @@ def param_entries(module: nn.Module, engine: OffloadEngine) -> Iterator[tuple[li
         yield all_names, ParamEntry(all_names[0], state)
 
 
-def state_mesh(engine: OffloadEngine) -> DeviceMesh:
-    """A 1-D mesh over all ranks on the device of the engine's state (the host, unless offload=False)."""
-    return init_device_mesh(engine.state_device.type, (engine.world_size,))
+class StateMeshes:
+    """1-D meshes over all ranks, one for each device type the state lives on (the host, the accelerator or both):
+    a DTensor's local rows must be on its mesh's device type, or DTensor copies them there."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._meshes: dict[str, DeviceMesh] = {}
+
+    def __call__(self, device: torch.device) -> DeviceMesh:
+        if device.type not in self._meshes:
+            self._meshes[device.type] = init_device_mesh(device.type, (self.world_size,))
+        return self._meshes[device.type]
 
 
-def _sharded(local: torch.Tensor, param: nn.Parameter, mesh: DeviceMesh) -> DTensor:
+def _sharded(local: torch.Tensor, param: nn.Parameter, meshes: StateMeshes) -> DTensor:
     # FSDP2 and DTensor cut dim 0 alike (torch.chunk), so this rank's rows are its Shard(0) of the global tensor
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride())
+    return DTensor.from_local(local, meshes(local.device), [Shard(0)], run_check=False, shape=param.shape,
+                              stride=param.stride())
 
 
-def sharded_model_state(module: nn.Module, engine: OffloadEngine, mesh: DeviceMesh) -> dict[str, torch.Tensor]:
-    """The module's state dict: each parameter a DTensor over this rank's fp32 rows, buffers as they are. A trained
-    parameter's rows view its master, so loading into them restores it in place; the others are copies of the
-    accelerator's shard, which `finish_restore` writes back."""
+def sharded_model_state(module: nn.Module, engine: OffloadEngine, meshes: StateMeshes) -> dict[str, torch.Tensor]:
+    """The module's state dict: each parameter a DTensor over this rank's rows where they live (`ParamEntry.rows`),
+    buffers as they are. Loading into it restores the state in place."""
     params: dict[str, torch.Tensor] = {}
     for names, entry in param_entries(module, engine):
-        tensor = _sharded(entry.fp32_rows(), entry.state.param, mesh)
+        tensor = _sharded(entry.rows, entry.state.param, meshes)
         params.update((name, tensor) for name in names)
     return _with_buffers(module, params)
 
 
 def sharded_optimizer_state(
-    module: nn.Module, engine: OffloadEngine, optimizer: torch.optim.Optimizer, mesh: DeviceMesh
+    module: nn.Module, engine: OffloadEngine, optimizer: torch.optim.Optimizer, meshes: StateMeshes
 ) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for _, entry in param_entries(module, engine):
         if entry.trained:
-            state[entry.name] = {key: _sharded(rows, entry.state.param, mesh) for key, rows in entry.moments().items()}
+            state[entry.name] = {key: _sharded(rows, entry.state.param, meshes)
+                                 for key, rows in entry.state.moments.items()}
             state[entry.name]["step"] = torch.tensor(entry.state.step, dtype=torch.int64)
     return {"state": state, "param_groups": named_param_groups(module, optimizer)}
 
@@ -105,12 +106,13 @@ def _with_buffers(module: nn.Module, params: dict[str, torch.Tensor]) -> dict[st
     return {key: params[key] if key in params else value.detach() for key, value in module.state_dict().items()}
 
 
-def _gathered_param(rows: torch.Tensor, param: nn.Parameter, world_size: int) -> torch.Tensor:
-    """A parameter's global tensor from every rank's rows (padded to the same count on every rank, as FSDP2 does)."""
+def _gathered_param(rows: torch.Tensor, param: nn.Parameter, world_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """A parameter's global tensor in `dtype` on the host from every rank's rows, wherever they live (padded to the
+    same count on every rank, as FSDP2 does)."""
     padded = padded_shard_numel(param.shape, world_size)
-    local = torch.zeros(padded, dtype=rows.dtype)
+    local = torch.zeros(padded, dtype=dtype)
     local[: rows.numel()] = rows.reshape(-1)
-    gathered = torch.empty(world_size * padded, dtype=rows.dtype)
+    gathered = torch.empty(world_size * padded, dtype=dtype)
     if world_size > 1:
         _all_gather_flat(gathered, local)
     else:
@@ -125,7 +127,7 @@ def full_state_dict(module: nn.Module, engine: OffloadEngine) -> dict[str, torch
     collective: every rank calls it and gets the whole dict."""
     params: dict[str, torch.Tensor] = {}
     for names, entry in param_entries(module, engine):
-        tensor = _gathered_param(entry.fp32_rows(), entry.state.param, engine.world_size)
+        tensor = _gathered_param(entry.rows, entry.state.param, engine.world_size, torch.float32)
         params.update((name, tensor) for name in names)
     return _with_buffers(module, params)
 
@@ -135,8 +137,8 @@ def full_optimizer_state(module: nn.Module, engine: OffloadEngine, optimizer: to
     state = {}
     for _, entry in param_entries(module, engine):
         if entry.trained:
-            state[entry.name] = {key: _gathered_param(rows, entry.state.param, engine.world_size)
-                                 for key, rows in entry.moments().items()}
+            state[entry.name] = {key: _gathered_param(rows, entry.state.param, engine.world_size, rows.dtype)
+                                 for key, rows in entry.state.moments.items()}
             state[entry.name]["step"] = torch.tensor(entry.state.step, dtype=torch.int64)
     return {"state": state, "param_groups": named_param_groups(module, optimizer)}
 
@@ -168,28 +170,15 @@ def fill_from_full(targets: dict[str, Any], full: dict[str, Any], world_size: in
 
 
 @torch.no_grad()
-def finish_restore(module: nn.Module, engine: OffloadEngine, weights: dict[str, torch.Tensor],
-                   optimizer: torch.optim.Optimizer | None, optimizer_state: dict[str, Any] | None) -> None:
-    """After `weights` (from `sharded_model_state`) and the moments were loaded: restore step counts and param-group
-    settings, copy what was loaded into host copies of accelerator-placed state back, then make the model's
-    parameters the restored values: the cast of the master where trained, the loaded rows themselves elsewhere."""
+def finish_restore(module: nn.Module, engine: OffloadEngine, optimizer: torch.optim.Optimizer | None,
+                   optimizer_state: dict[str, Any] | None) -> None:
+    """After the weights and the moments were loaded in place (into `sharded_model_state` and
+    `sharded_optimizer_state`): restore step counts and param-group settings, then make the model's trained
+    parameters the cast of their restored masters."""
     if optimizer is not None and optimizer_state is not None:
         _restore_steps(module, engine, optimizer_state["state"])
         _restore_param_groups(optimizer, optimizer_state["param_groups"])
-    for _, entry in param_entries(module, engine):
-        master = entry.state.master
-        if master is None:
-            entry.state.local.copy_(_local(weights[entry.name]))
-        elif master.device.type != "cpu":
-            master.copy_(_local(weights[entry.name]))
-            if optimizer_state is not None:
-                for key, rows in entry.state.moments.items():
-                    rows.copy_(_local(optimizer_state["state"][entry.name][key]))
     engine.send_masters()
-
-
-def _local(loaded: torch.Tensor) -> torch.Tensor:
-    return loaded.to_local() if isinstance(loaded, DTensor) else loaded
 
 
 def _restore_steps(module: nn.Module, engine: OffloadEngine, state: dict[str, Any]) -> None:

@@ -1,10 +1,12 @@
 """Checkpoints on disk, and the checks that refuse a damaged or foreign one before anything is loaded.
 
-Sharded (a directory): torch.distributed.checkpoint (DCP) files hold every tensor by name: the module's state dict
-with fp32 master weights under ``state_dict``, the moments and step counts under ``optimizer_0``. DCP reshards
-them to any world size on load. ``meta.pt`` holds the rest of Lightning's checkpoint (loops, LR schedulers,
-callbacks, loss scaler, param groups) and zoff's description under ``"zoff"`` (format version, tensor names and
-shapes); it is written last. Full: one ``torch.save`` file holding whole tensors, loadable without zoff.
+Sharded (a directory): ``rank{r}.safetensors``, one file per rank (`rank_files`), holds that rank's rows of every
+tensor by name: the module's state dict with fp32 master weights under ``state_dict/`` (a frozen parameter as the
+model holds it), the moments and step counts under ``optimizer_0/``; any world size reads them back. ``meta.pt``
+holds the rest of Lightning's checkpoint (loops, LR schedulers, callbacks, loss scaler, param groups) and zoff's
+description under ``"zoff"`` (format version, tensor names and shapes, the rank files and their sizes); it is written
+last. Directories of format version 1 (one torch.distributed.checkpoint file per tensor, `dcp_files`) still load.
+Full: one ``torch.save`` file holding whole tensors, loadable without zoff.
 
 Both are written under a temporary name next to the target and renamed when complete, so a crash during a save
 leaves the previous checkpoint whole.
@@ -14,17 +16,18 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from lightning_zoff._compat import dcp_data_extents
+from lightning_zoff import dcp_files, rank_files
+from lightning_zoff.rank_files import RankFileError, RankFiles, Rows, Staging
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: the DCP directories of `dcp_files`
 META_FILE = "meta.pt"
 
 
@@ -104,8 +107,9 @@ def save_full(checkpoint: dict[str, Any], path: Path) -> None:
     commit(partial, path)
 
 
-def save_sharded(checkpoint: dict[str, Any], path: Path, rank: int, barrier: Callable[[], None]) -> None:
-    """A directory: every rank writes its rows of the tensors through DCP, rank 0 adds meta.pt. A collective."""
+def save_sharded(checkpoint: dict[str, Any], path: Path, rank: int, world_size: int,
+                 barrier: Callable[[], None]) -> None:
+    """A directory: every rank writes its file of its rows of the tensors, rank 0 adds meta.pt. A collective."""
     partial = partial_path(path)
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -114,18 +118,19 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, rank: int, barrier: Cal
         partial.mkdir()
     barrier()
     tensors, meta = _split(checkpoint)
-    # One file per tensor: DCP's writer keeps every tensor of a file alive until the file is done, and ours are views
-    # of the engine's flat buffers, which it clones first. With one file per rank that was a second copy of the whole
-    # checkpoint in host memory (the 7B GPT's main job was killed for it on a 128 GB host); per tensor it is one.
-    dcp.save(tensors, storage_writer=FileSystemWriter(partial, single_file_per_rank=False))
-    if rank == 0:  # DCP returns on rank 0 once every rank's files are written
+    items = {key: rows for key, tensor in _leaves(tensors) if (rows := _rows(tensor, rank)) is not None}
+    rank_files.write_rank_file(partial / rank_files.file_name(rank), items, Staging())
+    barrier()
+    if rank == 0:  # every rank's file is written
+        names = [rank_files.file_name(r) for r in range(world_size)]
+        meta["zoff"] = {**meta["zoff"], "files": {name: (partial / name).stat().st_size for name in names}}
         _save_file(meta, partial / META_FILE)
         commit(partial, path)
     barrier()
 
 
 def _split(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The tensors DCP writes, and the rest, for meta.pt."""
+    """The tensors the rank files hold, and the rest, for meta.pt."""
     meta = dict(checkpoint)
     tensors = {"state_dict": meta.pop("state_dict")}
     if "optimizer_states" in meta:
@@ -133,6 +138,36 @@ def _split(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
             tensors[f"optimizer_{i}"] = state["state"]
         meta["optimizer_states"] = [{"param_groups": s["param_groups"]} for s in meta["optimizer_states"]]
     return tensors, meta
+
+
+def _leaves(tree: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a nested dict, keyed by its path ("optimizer_0/model.head.weight/exp_avg")."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}/")
+        elif isinstance(value, torch.Tensor):
+            yield f"{prefix}{key}", value
+        else:
+            raise TypeError(f"{prefix}{key}: a {type(value).__name__} where a sharded checkpoint holds tensors")
+
+
+def _rows(tensor: torch.Tensor, rank: int | None) -> Rows | None:
+    """The rows of `tensor` this rank holds: its own shard of a DTensor split on dim 0, else the whole tensor, which
+    only `rank` 0 writes (None: every rank reads it)."""
+    if isinstance(tensor, DTensor):
+        mesh, placements = tensor.device_mesh, tuple(tensor.placements)
+        if mesh.ndim == 1 and placements == (Shard(0),):
+            local, rows, world, rank_of = tensor.to_local(), tensor.shape[0], mesh.size(), mesh.get_local_rank()
+            start = rank_files.chunk_start(rows, world, rank_of)
+            if start + len(local) != rank_files.chunk_start(rows, world, rank_of + 1):
+                raise ValueError(f"a DTensor of {rows} rows whose shard on rank {rank_of} of {world} holds {len(local)}"
+                                 " rows, not torch.chunk's")
+            return Rows(local, tuple(tensor.shape), start)
+        if not all(isinstance(p, Replicate) for p in placements):
+            raise ValueError(f"a DTensor placed {placements} on a {mesh.ndim}-D mesh; checkpoints hold Shard(0) on"
+                             " one dimension or Replicate")
+        tensor = tensor.to_local()
+    return Rows(tensor, tuple(tensor.shape), 0) if rank in (0, None) else None
 
 
 # -- reading ----------------------------------------------------------------------------------------------------
@@ -165,10 +200,10 @@ def check_format(checkpoint: dict[str, Any], path: Path) -> dict[str, Any]:
     info = checkpoint.get("zoff")
     if not isinstance(info, dict) or "format_version" not in info:
         raise CheckpointError(f"{path}: not a lightning_zoff checkpoint (no 'zoff' format information)")
-    if info["format_version"] != FORMAT_VERSION:
+    if info["format_version"] not in READABLE_VERSIONS:
         raise CheckpointError(
-            f"{path}: checkpoint format version {info['format_version']}; this lightning_zoff reads version"
-            f" {FORMAT_VERSION}"
+            f"{path}: checkpoint format version {info['format_version']}; this lightning_zoff reads versions"
+            f" {' and '.join(map(str, READABLE_VERSIONS))}"
         )
     return info
 
@@ -185,7 +220,8 @@ def check_loadable(path: Path, weights_only: bool | None = None) -> None:
 
 
 def check_compatible(checkpoint: dict[str, Any], path: Path, expected: dict[str, list[int]]) -> None:
-    """Refuse checkpoints of another format version or another model. Another world size is fine: DCP reshards."""
+    """Refuse checkpoints of another format version or another model. Another world size is fine: the load
+    reshards."""
     saved = check_format(checkpoint, path)["tensors"]
     path = path / META_FILE if path.is_dir() else path
     missing, unexpected = sorted(expected.keys() - saved.keys()), sorted(saved.keys() - expected.keys())
@@ -197,26 +233,44 @@ def check_compatible(checkpoint: dict[str, Any], path: Path, expected: dict[str,
         )
 
 
-def check_complete(path: Path) -> None:
-    """Every DCP data file the index names exists and is as long as the index says."""
-    try:
-        metadata = FileSystemReader(path).read_metadata()
-    except Exception as err:
-        raise CheckpointError(f"{path / '.metadata'}: cannot be read ({err}); the checkpoint is incomplete") from err
-    for name, size in sorted(dcp_data_extents(metadata).items()):
+def check_complete(path: Path, info: dict[str, Any]) -> None:
+    """Every file of the sharded checkpoint `path` exists and is whole: as long as meta.pt (format 2) or DCP's index
+    (format 1) says."""
+    if info["format_version"] == 1:
+        try:
+            dcp_files.check_complete(path)
+        except dcp_files.DcpFileError as err:
+            raise CheckpointError(str(err)) from err
+        return
+    for name, size in info["files"].items():
         file = path / name
         if not file.exists():
-            raise CheckpointError(f"{file}: missing; the checkpoint's index names it")
-        if file.stat().st_size < size:
-            raise CheckpointError(
-                f"{file}: truncated: {file.stat().st_size} bytes, the checkpoint's index needs {size}"
-            )
+            raise CheckpointError(f"{file}: missing; {META_FILE} names it")
+        if file.stat().st_size != size:
+            problem = "truncated" if file.stat().st_size < size else "not the file written"
+            raise CheckpointError(f"{file}: {problem}: {file.stat().st_size} bytes, {META_FILE} records {size}")
 
 
-def load_sharded(path: Path, targets: dict[str, Any]) -> None:
-    """Read the tensors of `targets` (DTensors and plain tensors, nested by key) in place, resharded. A collective."""
-    check_complete(path)
+def rank_file_paths(path: Path, info: dict[str, Any]) -> list[Path]:
+    return [path / name for name in info["files"]]
+
+
+def load_sharded(path: Path, info: dict[str, Any], targets: dict[str, Any]) -> None:
+    """Read the tensors of `targets` (DTensors and plain tensors, nested by key) in place, resharded: each rank reads
+    the rows it holds, from the host or the accelerator, whatever the world size that wrote them. A collective for
+    format 1."""
+    check_complete(path, info)
     try:
-        dcp.load(targets, checkpoint_id=path)
+        if info["format_version"] == 1:
+            dcp_files.load(path, targets)
+            return
+        files, staging = RankFiles(rank_file_paths(path, info)), Staging()
+        with torch.no_grad():
+            for key, target in _leaves(targets):
+                rows = _rows(target, None)
+                assert rows is not None
+                files.read_into(key, rows.local, rows.start, staging)
+    except RankFileError as err:  # names its file, or else the tensor
+        raise CheckpointError(str(err) if str(path) in str(err) else f"{path}: {err}") from err
     except Exception as err:
         raise CheckpointError(f"{path}: cannot be loaded: {err}") from err

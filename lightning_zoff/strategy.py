@@ -106,8 +106,8 @@ class ZoffStrategy(CheckpointingStrategy, ProcessGroupStrategy):
             synchronous path), for 12 B/param more host memory (the spare state the speculation writes into; 8 with
             bf16 moments).
         process_group_backend: default ``"cpu:gloo,cuda:nccl"`` on GPU (host tensors need gloo), ``"gloo"`` on CPU.
-        state_dict_type: ``"sharded"``: checkpoints are directories in which every rank writes its own rows of the
-            fp32 master weights and optimizer state (torch.distributed.checkpoint), resumable at any world size;
+        state_dict_type: ``"sharded"``: checkpoints are directories in which every rank writes one file of its own
+            rows of the fp32 master weights and optimizer state, resumable at any world size;
             ``"full"``: one file from rank 0 with whole tensors, loadable without zoff (gathered on every rank).
         param_init_fn: ``callable(module)`` that sets the initial values of a module built on the meta device
             (``trainer.init_module(empty_init=True)``) once zoff gave it memory, a unit at a time. Default: the

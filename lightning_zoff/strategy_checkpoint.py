@@ -15,6 +15,7 @@ from typing_extensions import override
 
 from lightning_zoff import checkpoint_files
 from lightning_zoff.checkpoint import (
+    StateMeshes,
     apply_weights,
     fill_from_full,
     finish_restore,
@@ -22,7 +23,6 @@ from lightning_zoff.checkpoint import (
     full_state_dict,
     sharded_model_state,
     sharded_optimizer_state,
-    state_mesh,
     unmatched_keys,
     weight_targets,
 )
@@ -37,7 +37,7 @@ class CheckpointingStrategy(ParallelStrategy):
     engine: OffloadEngine | None
     state_dict_type: str
     _masters: dict[int, torch.Tensor]
-    _state_mesh: Any
+    _state_mesh: Any  # the StateMeshes of the checkpoints, built on first use
 
     @property
     def _module(self) -> pl.LightningModule:
@@ -78,7 +78,7 @@ class CheckpointingStrategy(ParallelStrategy):
         path = Path(self.broadcast(str(filepath)))  # every rank writes where rank 0 says
         checkpoint["zoff"] = checkpoint_files.zoff_info(checkpoint["state_dict"], self.state_dict_type, self.world_size)
         if self.state_dict_type == "sharded":
-            checkpoint_files.save_sharded(checkpoint, path, self.global_rank, self.barrier)
+            checkpoint_files.save_sharded(checkpoint, path, self.global_rank, self.world_size, self.barrier)
         elif self.is_global_zero:
             checkpoint_files.save_full(checkpoint, path)
 
@@ -113,12 +113,12 @@ class CheckpointingStrategy(ParallelStrategy):
             optimizer_state["param_groups"] = checkpoint["optimizer_states"][0]["param_groups"]
             targets["optimizer_0"] = optimizer_state["state"]
         self._read_tensors(path, checkpoint, targets)
-        finish_restore(module, self.engine, targets["state_dict"], optimizer, optimizer_state)
+        finish_restore(module, self.engine, optimizer, optimizer_state)
         return checkpoint
 
     def _read_tensors(self, path: Path, checkpoint: dict[str, Any], targets: dict[str, Any]) -> None:
         if path.is_dir():
-            checkpoint_files.load_sharded(path, targets)
+            checkpoint_files.load_sharded(path, checkpoint["zoff"], targets)
             return
         full = {"state_dict": checkpoint["state_dict"]}
         if "optimizer_0" in targets:
@@ -133,10 +133,9 @@ class CheckpointingStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         pass  # done in load_checkpoint
 
-    def _mesh(self) -> Any:
-        assert self.engine is not None
+    def _mesh(self) -> StateMeshes:
         if self._state_mesh is None:
-            self._state_mesh = state_mesh(self.engine)
+            self._state_mesh = StateMeshes(self.world_size)
         return self._state_mesh
 
     def load_full_state_dict(
@@ -168,7 +167,7 @@ class CheckpointingStrategy(ParallelStrategy):
                            " match.")
         fill_from_full({k: v for k, v in targets.items() if k in state_dict}, state_dict, self.world_size,
                        self.global_rank)
-        finish_restore(module, self.engine, targets, None, None)
+        finish_restore(module, self.engine, None, None)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The LightningModule's state dict with fp32 master weights, on every rank (a collective)."""

@@ -61,6 +61,7 @@ def test_one_job(tmp_path):
     checkpoint = Path(out.split("checkpoint: ")[1].split("\n")[0])
     run_dir = checkpoint.parents[1]
     assert run_dir.parent.parent == tmp_path / "outputs"  # outputs/<date>/<time>/
+    assert len(list(checkpoint.iterdir())) <= 2 + 2  # 2 ranks: a file each, and meta.pt
     step, weights = load_weights(checkpoint)
     assert step == 3
     assert all(w.dtype == torch.float32 for w in weights.values())

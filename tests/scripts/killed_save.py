@@ -1,6 +1,6 @@
 """Trains like `resume_run.resume_fit` with a `last.ckpt` every 6 steps, and dies by SIGKILL (the whole process
-group: the main process and both ranks, like a lost node) in the middle of the second save: after the ranks
-wrote their tensor files, before the checkpoint is complete."""
+group: the main process and both ranks, like a lost node) in the middle of the second save: after rank 0 wrote its
+file, before the checkpoint is complete."""
 
 import os
 import signal
@@ -10,14 +10,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_zoff import rank_files
 from resume_run import resume_fit
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
-    real_save, calls = dcp.save, []
+    real_save, calls = rank_files.write_rank_file, []
 
     def save_then_die(*args, **kwargs):
         result = real_save(*args, **kwargs)
@@ -26,6 +26,6 @@ if __name__ == "__main__":
             os.killpg(os.getpgrp(), signal.SIGKILL)
         return result
 
-    dcp.save = save_then_die
+    rank_files.write_rank_file = save_then_die
     resume_fit(out / "run", callbacks=[ModelCheckpoint(dirpath=out / "ck", save_top_k=0, save_last=True,
                                                        every_n_train_steps=6)])
