@@ -214,9 +214,9 @@ def check_loadable(path: Path, weights_only: bool | None = None) -> None:
     directory, or the file memory-mapped; changes nothing on disk."""
     if not path.exists() and _previous(path).exists():
         return  # a save stopped between its two renames: the load puts the checkpoint back first (`recover`)
-    check_format(read(path, weights_only), path)
+    info = check_format(read(path, weights_only), path)
     if path.is_dir():
-        check_complete(path)
+        check_complete(path, info)
 
 
 def check_compatible(checkpoint: dict[str, Any], path: Path, expected: dict[str, list[int]]) -> None:

@@ -23,8 +23,8 @@ HOST_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 def test_gpt7b_trains_on_10_bytes_per_parameter(tmp_path):
     out = tmp_path / "capacity.json"
     run([sys.executable, str(SCRIPT), "--model", "gpt7b", "--steps", "20", "--batch", "4",
-         "--option", "optimizer_state_dtype='bf16'", "--option", "overlap=False", "--option", "accelerator_state='none'",
-         "--out", str(out)])
+         "--option", "optimizer_state_dtype='bf16'", "--option", "overlap=False",
+         "--option", "accelerator_state='none'", "--out", str(out)])
     result = json.loads(out.read_text())
     assert result["params"] == 6_709_055_488
     assert result["steps"] == 20
