@@ -1,49 +1,18 @@
-"""What ZoffStrategy refuses, each as early as it can be known: its options in the constructor; the Trainer's settings,
-the model and its optimizer in setup (and in the launcher, before any rank starts); a predict dataloader before its
-first batch."""
+"""What ZoffStrategy refuses, each as early as it can be known (its options: `ZoffConfig`, in the constructor): the
+Trainer's settings, the model and its optimizer in setup (and in the launcher, before any rank starts); a predict
+dataloader before its first batch."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper
 
 from lightning_zoff._compat import distributed_is_initialized, optimizers_of
+from lightning_zoff.config import ACCUM_DTYPES
 from lightning_zoff.optim.rules import update_rule_for
-
-StartMethod = Literal["subprocess", "fork", "spawn", "forkserver"]
-ACCUM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def check_options(
-    *, start_method: Any, grad_accum_dtype: Any, optimizer_state_dtype: Any, grad_accum_on: Any,
-    state_dict_type: Any, param_init_fn: Any, cpu_threads: Any, **flags: Any,
-) -> None:
-    """Refuse a constructor option zoff cannot run; `flags` are the options that must be true or false."""
-    if start_method not in ("subprocess", "fork", "spawn", "forkserver"):
-        raise ValueError(f"start_method={start_method!r}; choose 'subprocess', 'fork', 'spawn' or 'forkserver'.")
-    # Hydra and YAML pass what the user typed; `offload=no` must not become True by being a non-empty string.
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"ZoffStrategy({name}={value!r}): expected true or false.")
-    if cpu_threads is not None and (isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int)
-                                    or cpu_threads < 1):
-        raise TypeError(f"ZoffStrategy(cpu_threads={cpu_threads!r}): expected a positive integer, or None for the cores"
-                        " this process may use divided by the ranks on its node.")
-    if grad_accum_dtype not in ACCUM_DTYPES:
-        raise ValueError(f"grad_accum_dtype={grad_accum_dtype!r}; choose one of {sorted(ACCUM_DTYPES)}.")
-    if optimizer_state_dtype not in MOMENT_DTYPES:
-        raise ValueError(f"optimizer_state_dtype={optimizer_state_dtype!r}; choose 'fp32' or 'bf16' (the moments"
-                         " in 2 bytes each instead of 4; the master weights stay fp32).")
-    if grad_accum_on not in ("host", "accelerator"):
-        raise ValueError(f"grad_accum_on={grad_accum_on!r}; choose 'host' or 'accelerator'.")
-    if state_dict_type not in ("sharded", "full"):
-        raise ValueError(f"state_dict_type={state_dict_type!r}; choose 'sharded' or 'full'.")
-    if param_init_fn is not None and not callable(param_init_fn):
-        raise TypeError(f"ZoffStrategy(param_init_fn={param_init_fn!r}): expected a callable(module), or None.")
 
 
 def check_supported(trainer: Any, module: Any) -> None:

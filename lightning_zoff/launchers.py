@@ -132,7 +132,7 @@ class ZoffMultiProcessingLauncher(MultiProcessingLauncher):
         # the weights, we gather the fp32 masters instead (a collective: every rank runs it and holds them all).
         strategy = launcher_strategy(self)
         fitted = trainer.state.fn == TrainerFn.FITTING and strategy.engine is not None
-        state_dict = strategy.full_state_dict() if fitted and strategy.weights_to_main_process else None
+        state_dict = strategy.full_state_dict() if fitted and strategy.config.weights_to_main_process else None
         if strategy.local_rank != 0:
             return None
         weights_path = None

@@ -71,6 +71,13 @@ def plan_units(model: nn.Module, wrap_policy: Iterable[type[nn.Module]] | None =
     return [(names[b], b) for b in blocks] + roots
 
 
+def forward_order(model: nn.Module, units: list[tuple[str, nn.Module]]) -> list[str]:
+    """The units' names in the order a forward is expected to enter them: modules are usually registered in that
+    order (the engine learns the truth from the first forward)."""
+    position = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    return sorted((name for name, _ in units), key=lambda name: position.get(name, len(position)))
+
+
 def param_names(module: nn.Module) -> dict[int, list[str]]:
     """Every name of each parameter, by id (tied parameters have several; the first is the one checkpoints use)."""
     names: dict[int, list[str]] = {}

@@ -54,7 +54,7 @@ class Finish(pl.Callback):
         # the user's value, into OMP_NUM_THREADS. Not where zoff already sized torch's pool next to its kernels'
         # threads (offload on a GPU machine).
         strategy = trainer.strategy
-        if isinstance(strategy, ZoffStrategy) and strategy.offload and strategy.root_device.type == "cuda":
+        if isinstance(strategy, ZoffStrategy) and strategy.config.offload and strategy.root_device.type == "cuda":
             return
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
 

@@ -49,7 +49,8 @@ def test_class_path_variant_sets_the_options():
                 "--trainer.strategy.init_args.grad_accum_on=accelerator", "--trainer.logger=false"], run=False)
     strategy = cli.trainer.strategy
     assert isinstance(strategy, ZoffStrategy)
-    assert (strategy.offload, strategy.start_method, strategy.grad_accum_on) == (True, "fork", "accelerator")
+    config = strategy.config
+    assert (config.offload, config.start_method, config.grad_accum_on) == (True, "fork", "accelerator")
     assert cli.trainer.max_steps == 200
     assert cli.trainer.num_devices == 2  # the rest of gpt_tiny.yaml still holds
     assert isinstance(cli.model, GPTModule)

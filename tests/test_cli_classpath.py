@@ -16,11 +16,12 @@ def test_strategy_from_class_path():
     ])
     strategy = cli.trainer.strategy
     assert isinstance(strategy, ZoffStrategy)
-    assert (strategy.start_method, strategy.grad_accum_on, strategy.cpu_threads) == ("fork", "accelerator", 1)
+    config = strategy.config
+    assert (config.start_method, config.grad_accum_on, config.cpu_threads) == ("fork", "accelerator", 1)
 
 
 def test_registered_name_from_the_cli():
     cli = LightningCLI(TinyModule, run=False, args=["--trainer.accelerator=cpu", "--trainer.strategy=zoff_no_offload",
                                                     "--trainer.logger=false"])
     assert isinstance(cli.trainer.strategy, ZoffStrategy)
-    assert not cli.trainer.strategy.offload
+    assert not cli.trainer.strategy.config.offload

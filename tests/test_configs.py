@@ -55,17 +55,18 @@ def test_zoff_strategies_build_with_every_option(name, offload):
     cfg = compose_train(f"strategy={name}")
     strategy = instantiate(cfg.strategy)
     assert isinstance(strategy, ZoffStrategy)
-    assert strategy.offload is offload
+    assert strategy.config.offload is offload
     # the yaml lists every keyword option of ZoffStrategy, so `--cfg job` shows them all
-    keyword_options = set(ZoffStrategy.__init__.__kwdefaults__) - {"timeout"}
+    keyword_options = set(ZoffStrategy.__init__.__kwdefaults__)
     assert set(cfg.strategy) - {"_target_"} == keyword_options
-    assert (strategy.start_method, strategy.pin_memory, strategy.grad_accum_on) == ("fork", True, "host")
+    config = strategy.config
+    assert (config.start_method, config.pin_memory, config.grad_accum_on) == ("fork", True, "host")
 
 
 def test_wrap_policy_takes_classes_from_the_command_line():
     block = "{_target_:hydra.utils.get_class,path:lightning_zoff.examples.gpt.Block}"
     cfg = compose_train(f"strategy.wrap_policy=[{block}]")
-    assert instantiate(cfg.strategy).wrap_policy == {Block}
+    assert instantiate(cfg.strategy).config.wrap_policy == {Block}
 
 
 def test_ddp_and_deepspeed_strategies():
@@ -211,7 +212,7 @@ def test_option_types_in_python():
             ZoffStrategy(cpu_threads=bad)
     with pytest.raises(TypeError, match=r"retain_gpu_grad_partition_until_step=None"):
         ZoffStrategy(retain_gpu_grad_partition_until_step=None)
-    assert ZoffStrategy(cpu_threads=3, offload=False).cpu_threads == 3
+    assert ZoffStrategy(cpu_threads=3, offload=False).config.cpu_threads == 3
 
 
 class NoTraining(pl.Callback):

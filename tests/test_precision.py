@@ -199,13 +199,15 @@ def test_window_sum_precision_table(tmp_path):
 
 
 def test_accumulation_dtype_must_fit_the_model():
-    with pytest.raises(ValueError, match=r"grad_accum_dtype='fp8'.*\['bf16', 'fp16', 'fp32'\]"):
+    from lightning_zoff.checks import check_accum_dtype
+
+    with pytest.raises(ValueError, match=r"grad_accum_dtype='fp8'; choose 'bf16', 'fp16' or 'fp32'"):
         ZoffStrategy(grad_accum_dtype="fp8")
     strategy = ZoffStrategy(grad_accum_dtype="fp16")
-    strategy.precision_plugin = ZoffPrecision("bf16-mixed")
+    precision = ZoffPrecision("bf16-mixed")
     with pytest.raises(ValueError,
                        match=r"cannot accumulate gradients of a bf16-mixed model; choose one of \['bf16', 'fp32'\]"):
-        strategy._check_accum_dtype()
+        check_accum_dtype(strategy.config.grad_accum_dtype, precision.precision, precision.param_dtype)
 
 
 class LargeGradients(pl.LightningModule):

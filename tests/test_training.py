@@ -126,10 +126,10 @@ def test_adam_l2_matches_ddp(tmp_path):
 def test_registered_names():
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="zoff", logger=False)
     assert isinstance(trainer.strategy, ZoffStrategy)
-    assert trainer.strategy.offload
+    assert trainer.strategy.config.offload
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="zoff_no_offload", logger=False)
     assert isinstance(trainer.strategy, ZoffStrategy)
-    assert not trainer.strategy.offload
+    assert not trainer.strategy.config.offload
     assert lightning_zoff.ZoffStrategy is ZoffStrategy
 
 

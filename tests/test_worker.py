@@ -35,3 +35,17 @@ def test_an_error_in_the_worker_reaches_the_caller():
         worker.wait_idle()
     worker.submit(0, lambda: None)  # the worker goes on after reporting
     worker.wait_idle()
+
+
+def test_taking_the_traffic_while_the_worker_counts_loses_no_count():
+    from lightning_zoff.offload.accounting import Traffic
+
+    traffic, adds, taken = Traffic(), 200_000, []
+    worker = threading.Thread(target=lambda: [traffic.add(d2h_bytes=1, speculations_kept=1) for _ in range(adds)])
+    worker.start()
+    while worker.is_alive():
+        taken.append(traffic.take())
+    worker.join()
+    taken.append(traffic.take())
+    assert len(taken) > 2  # the takes interleaved with the adds
+    assert sum(t.d2h_bytes for t in taken) == sum(t.speculations_kept for t in taken) == adds

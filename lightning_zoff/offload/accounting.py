@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+_COUNTERS = ("d2h_bytes", "h2d_bytes", "cpu_update_s", "speculations_kept", "speculations_redone")
+
 
 class Traffic:
     """What the optimizer steps moved and cost on the host side since the last `take_traffic`."""
@@ -18,6 +20,15 @@ class Traffic:
         with self._lock:
             for name, amount in amounts.items():
                 setattr(self, name, getattr(self, name) + amount)
+
+    def take(self) -> Traffic:
+        """The counts so far, and zero from here on: under the lock the worker's `add` takes, so no count is lost."""
+        taken = Traffic()
+        with self._lock:
+            for name in _COUNTERS:
+                setattr(taken, name, getattr(self, name))
+                setattr(self, name, 0)
+        return taken
 
 
 def describe_memory(report: dict[str, float]) -> str:

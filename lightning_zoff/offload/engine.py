@@ -45,131 +45,86 @@ The kernels, their inputs and the order of every sum are the same, so both paths
 from __future__ import annotations
 
 import functools
-import logging
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from lightning_zoff.offload.accounting import Traffic, describe_memory
-from lightning_zoff.offload.buffers import host_empty, record_event
+from lightning_zoff.offload.buffers import record_event
 from lightning_zoff.offload.decision import Decision, StepOutcome, decide
 from lightning_zoff.offload.fsdp_hooks import UnitHooks, order_after_copy
-from lightning_zoff.offload.landing import GradientLanding
+from lightning_zoff.offload.landing import GradientLanding, LandingOptions
 from lightning_zoff.offload.layout import unit_layouts
-from lightning_zoff.offload.memory_plan import (
-    UPDATE_PIECE,
-    Machine,
-    StateOptions,
-    fewer_for_accelerator,
-    measure_machine,
-    more_for_accelerator,
-    plan_memory,
-    unit_shape,
-)
+from lightning_zoff.offload.memory_plan import UPDATE_PIECE, Machine, MemoryPlan
+from lightning_zoff.offload.placer import Placer, plan_for
 from lightning_zoff.offload.scheduler import HostScheduler, SparePool
 from lightning_zoff.offload.unit_state import (
     ParamState,
     Phase,
     Placement,
-    SpareSet,
     TrainedParam,
     UnitState,
     UpdateKey,
     build_unit_state,
     kernel_runs,
     param_states,
-    relocate,
 )
 from lightning_zoff.optim.rules import GroupHyperparams, UpdateRule, update_rule_for, warn_if_bf16_moments_cannot_decay
 from lightning_zoff.optim.update import update
 
+if TYPE_CHECKING:
+    from lightning_zoff.config import ZoffConfig
+
 __all__ = ["OffloadEngine", "StepOutcome", "describe_memory"]
 
-log = logging.getLogger("lightning_zoff")
 
-
-def cast_local(param: nn.Parameter) -> torch.Tensor:
-    return param.to_local() if isinstance(param, DTensor) else param
-
-
-class OffloadEngine(GradientLanding):
+class OffloadEngine:
     """Holds one rank's fp32 master shard and optimizer state and runs the update for every FSDP2 unit. `masters`
-    (fp32 shards by id of the sharded parameter) is emptied as the state takes them over. `machine`: what this rank
-    may use (default: measured now); `accelerator_state`: see `placement.py`."""
+    (fp32 shards by id of the sharded parameter) is emptied as the state takes them over; `machine`: what this rank
+    may use; `forward_order`: the units' names as a forward is expected to enter them."""
 
-    def __init__(
-        self,
-        units: list[tuple[str, nn.Module]],
-        masters: dict[int, torch.Tensor],
-        optimizer: torch.optim.Optimizer,
-        *,
-        world_size: int,
-        state_device: torch.device,
-        pin_memory: bool,
-        threads: int | None = None,
-        grad_accum_dtype: torch.dtype | None = None,
-        moment_dtype: torch.dtype = torch.float32,
-        accumulate_grad_batches: int = 1,
-        accumulate_on_accelerator: bool = False,
-        retain_device_sum: bool = False,
-        overlap: bool = True,
-        machine: Machine | None = None,
-        accelerator_state: str | float = "none",
-        forward_order: Sequence[str] | None = None,
-    ) -> None:
-        self.grad_sum_dtype = grad_accum_dtype or torch.float32
-        self.moment_dtype = moment_dtype  # of exp_avg and exp_avg_sq; the master is fp32
-        # windows of one micro-batch need no host sum (the kernel reads the staged shard); should the Trainer's
-        # count grow later (GradientAccumulationScheduler), each unit allocates its sum when it first needs it
-        self.sums_windows = accumulate_grad_batches > 1
-        self.pin_memory = pin_memory
-        self.accumulate_on_accelerator = accumulate_on_accelerator
-        self.retain_device_sum = retain_device_sum
-        self.overlap = overlap and state_device.type == "cpu"  # speculation needs the kernels' `into`
-        self.window_ends = False
-        self.loss_scale = 1.0
-        self.traffic = Traffic()
-        self.gate_wait_s = 0.0  # time forwards waited for this rank's updates (training thread only)
+    def __init__(self, units: list[tuple[str, nn.Module]], masters: dict[int, torch.Tensor],
+                 optimizer: torch.optim.Optimizer, config: ZoffConfig, *, world_size: int, machine: Machine,
+                 accumulate_grad_batches: int = 1, threads: int | None = None,
+                 forward_order: Sequence[str] | None = None) -> None:
+        self.config = config
         self.rule = update_rule_for(optimizer)
         self.optimizer = optimizer
         self.threads = threads  # CPU threads of the kernels; None: torch.get_num_threads()
         self.world_size = world_size
-        self.state_device = state_device
+        self.traffic = Traffic()
+        self.gate_wait_s = 0.0  # time forwards waited for this rank's updates (training thread only)
+        # windows of one micro-batch need no sum (the kernel reads the landed shard); should the Trainer's count grow
+        # later (GradientAccumulationScheduler), each unit allocates its sum when it first needs it
+        self.sums_windows = accumulate_grad_batches > 1
         group_of = {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
         layouts = unit_layouts(units, world_size, set(group_of))
         params = [p for layout, _ in layouts for p in layout.params]
-        self.param_device = params[0].device if params else state_device
+        self.param_device = params[0].device if params else torch.device("cpu")
+        self.state_device = torch.device("cpu") if config.offload else self.param_device
+        self.overlap = config.overlap and config.offload  # speculation needs the kernels' `into`
         # units by name, in the order a forward enters them: guessed (`forward_order`) until the gates saw one
         guess = {name: i for i, name in enumerate(forward_order or ())}
         self.forward_order = sorted((layout.name for layout, _ in layouts), key=lambda n: guess.get(n, len(guess)))
         self._seen_forward: list[str] | None = []  # recorded by the gates until the first forward entered every unit
-        by_name = {layout.name: layout for layout, _ in layouts}
-        locals_ = [cast_local(p) for p in params]
-        self.plan = plan_memory(
-            [unit_shape(by_name[name], group_of) for name in self.forward_order],
-            StateOptions(param_bytes=params[0].element_size() if params else 2, moment_bytes=moment_dtype.itemsize,
-                         moments=1 if self.rule is UpdateRule.LION else 2,
-                         sum_bytes=self.grad_sum_dtype.itemsize if self.sums_windows else 0,
-                         sum_on_accelerator=accumulate_on_accelerator, retain_device_sum=retain_device_sum,
-                         overlap=self.overlap, pin=pin_memory),
-            machine or measure_machine(self.param_device, 1), accelerator_state,
-            model_bytes=sum(t.nbytes for t in locals_), lion=self.rule is UpdateRule.LION,
-            masters_bytes=sum(t.nbytes for t in masters.values()), all_on_accelerator=state_device.type != "cpu")
-        if moment_dtype == torch.bfloat16:
+        moments = 1 if self.rule is UpdateRule.LION else 2
+        plan = plan_for(layouts, self.forward_order, group_of, config, machine, moments=moments,
+                        sums_windows=self.sums_windows, masters_bytes=sum(t.nbytes for t in masters.values()))
+        if config.moment_dtype == torch.bfloat16:
             warn_if_bf16_moments_cannot_decay(self.rule, optimizer)
         # the accelerator's units first: their fp32 copies leave the host before the host's state grows
         built: dict[str, UnitState] = {}
-        for layout, _ in sorted(layouts, key=lambda lm: self.plan.placement[lm[0].name] is Placement.HOST):
-            where = self.plan.placement[layout.name]
+        for layout, _ in sorted(layouts, key=lambda lm: plan.placement[lm[0].name] is Placement.HOST):
+            where = plan.placement[layout.name]
             built[layout.name] = build_unit_state(
-                layout, masters, group_of, placement=where, device=self._device(where),
-                moments=1 if self.rule is UpdateRule.LION else 2, moment_dtype=moment_dtype,
-                sums_windows=self.sums_windows, grad_sum_dtype=self.grad_sum_dtype,
-                pin=pin_memory and where is Placement.HOST)
+                layout, masters, group_of, placement=where,
+                device=self.state_device if where is Placement.HOST else self.param_device, moments=moments,
+                moment_dtype=config.moment_dtype, sums_windows=self.sums_windows, grad_sum_dtype=config.accum_dtype,
+                pin=config.pin_memory and where is Placement.HOST)
         self.units = [built[layout.name] for layout, _ in layouts]
         self._modules = [module for _, module in layouts]
         on_cuda = self.param_device.type == "cuda"
@@ -177,35 +132,22 @@ class OffloadEngine(GradientLanding):
         self.h2d_stream = torch.cuda.Stream(self.param_device) if on_cuda else None
         self.compute_stream = torch.cuda.current_stream(self.param_device) if on_cuda else None
         self.scheduler = HostScheduler(SparePool()) if self.overlap else None
-        self._spare_trained = 0  # the size the pool's sets are made for
-        self._resize_pool()
+        self.placer = Placer(plan, self.units, None if self.scheduler is None else self.scheduler.pool,
+                             host=self.state_device, accelerator=self.param_device, sum_dtype=config.accum_dtype,
+                             moment_dtype=config.moment_dtype, pin=config.pin_memory)
+        self.landing = GradientLanding(
+            self.units, LandingOptions(config.accum_dtype, config.pin_memory, config.grad_accum_on == "accelerator",
+                                       config.retain_gpu_grad_partition_until_step, threads),
+            self.traffic, self.scheduler, self._speculate, param_device=self.param_device,
+            copy_stream=self.copy_stream, compute_stream=self.compute_stream)
         self._hooks: list[UnitHooks] = []
         self._detached = False
-        self._landed_order: list[UnitState] = []  # this backward's units, in the order their gradients arrived
 
-    def _device(self, placement: Placement) -> torch.device:
-        return self.state_device if placement is Placement.HOST else self.param_device
+    @property
+    def plan(self) -> MemoryPlan:
+        return self.placer.plan
 
-    def _resize_pool(self) -> None:
-        """Make the spare sets the plan has room for (between steps)."""
-        if self.scheduler is None:
-            return
-        pool, shape = self.scheduler.pool, self.plan.spare_shape
-        trained = 0 if shape is None else shape.trained
-        if trained != self._spare_trained:
-            pool.resize(0, self._spare_set)  # sets of another size serve no unit now
-            self._spare_trained = trained
-        pool.resize(self.plan.spare_sets, self._spare_set)
-
-    def _spare_set(self) -> SpareSet:
-        n, pin = self._spare_trained, self.pin_memory
-        moments = [self.moment_dtype] * (1 if self.rule is UpdateRule.LION else 2)
-        state = [torch.empty(n, dtype=dtype, device=self.state_device) for dtype in [torch.float32, *moments]]
-        param_dtype = self.units[0].param_dtype if self.units else torch.float32
-        out = None if param_dtype == torch.float32 else host_empty(n, param_dtype, self.state_device, pin)
-        return SpareSet(state, out)
-
-    # -- backward -------------------------------------------------------------------------------------------
+    # -- backward: FSDP2's hooks call these -------------------------------------------------------------------
 
     def attach(self) -> None:
         """Hook every unit with a parameter that requires a gradient: its reduce (FSDP2 then sums, not averages,
@@ -216,9 +158,16 @@ class OffloadEngine(GradientLanding):
 
     def begin_backward(self, window_ends: bool, loss_scale: float = 1.0) -> None:
         """Called before each backward; `window_ends`: it is the window's last (Lightning steps right after)."""
-        self.window_ends = window_ends
-        self.loss_scale = loss_scale
-        self._landed_order = []
+        self.landing.begin_backward(window_ends, loss_scale)
+
+    def on_grads_noted(self, index: int, used: list[bool]) -> None:
+        self.landing.on_grads_noted(index, used)
+
+    def on_unit_reduced(self, index: int, flat_grad: torch.Tensor) -> None:
+        self.landing.on_unit_reduced(index, flat_grad)
+
+    def after_backward(self) -> None:
+        self.landing.after_backward()
 
     # -- step -----------------------------------------------------------------------------------------------
 
@@ -233,26 +182,27 @@ class OffloadEngine(GradientLanding):
             self.scheduler.wait_for_landings()
         units = [u for u in self.units if u.phase is not Phase.EMPTY]
         decision, outcome = decide(units, optimizer, max_norm, world_size=self.world_size, loss_scale=loss_scale,
-                                   sumsq=self._unit_sumsq)
+                                   sumsq=self.landing.sumsq)
         if self.scheduler is not None:
             self.scheduler.decided()
         if not decision.skipped:  # counted here, so each step reports its own copies even when they end during the next
             host_units = [unit for unit in units if unit.placement is Placement.HOST]
             self.traffic.add(h2d_bytes=sum(p.slot.local.nbytes for unit in host_units
                                            for p, used in zip(unit.trained, decision.used[unit], strict=True) if used))
-        order = self._landed_order[::-1] + [u for u in units if u not in self._landed_order]
+        landed = self.landing.landed_order
+        order = landed[::-1] + [u for u in units if u not in landed]
         for unit in order:  # the next forward needs them about in the reverse of backward's order
             unit.phase = Phase.FINALIZING
-            if self.scheduler is not None and self._on_worker(unit):
+            if self.scheduler is not None and self.landing.on_worker(unit):
                 self.scheduler.finalize(functools.partial(self._finalize, unit, decision))
         for unit in order:  # the accelerator's units meanwhile, queued on its stream
-            if not self._on_worker(unit):
+            if not self.landing.on_worker(unit):
                 self._finalize(unit, decision)
         return outcome
 
     def _speculate(self, unit: UnitState) -> None:
         assert self.scheduler is not None
-        scale = 1.0 / (self.world_size * self.loss_scale)
+        scale = 1.0 / (self.world_size * self.landing.loss_scale)
         # as if every parameter had a gradient and nothing is clipped or skipped
         self.scheduler.speculate(unit, lambda: self._key(unit, scale, self._hyper(), [True] * len(unit.trained)),
                                  self._update)
@@ -264,6 +214,7 @@ class OffloadEngine(GradientLanding):
 
     @torch.no_grad()
     def _finalize(self, unit: UnitState, decision: Decision) -> None:
+        assert unit.phase is Phase.FINALIZING, "a unit finalized outside its step"
         try:
             if not decision.skipped:
                 key = self._key(unit, decision.scale, decision.hyper, decision.used[unit])
@@ -358,31 +309,18 @@ class OffloadEngine(GradientLanding):
                 unit.params_copied.synchronize()
 
     def take_traffic(self) -> Traffic:
-        traffic, self.traffic = self.traffic, Traffic()
-        return traffic
+        """What the steps moved and spent since the last call (the worker may be counting meanwhile)."""
+        return self.traffic.take()
 
     def take_gate_wait(self) -> float:
         seconds, self.gate_wait_s = self.gate_wait_s, 0.0
         return seconds
 
     def memory_report(self) -> dict[str, float]:
-        """The plan's bytes by kind and side, with this rank's share of the model."""
-        locals_ = [cast_local(p) for unit in self.units for p in unit.layout.params]
-        local_numel = sum(t.numel() for t in locals_)
-        report = {"local_params": local_numel, **self.plan.report()}
-        report["accelerator_params"] = sum(t.nbytes for t in locals_)
-        report["accelerator_bytes_per_param"] = report["accelerator_params"] / max(local_numel, 1)
-        report["host_bytes_per_param"] = report["host_total"] / max(local_numel, 1)
-        return report
+        return self.placer.report()
 
     def held_bytes(self) -> dict[str, int]:
-        """What the engine's tensors hold now, per side (between steps; what the plan says they hold)."""
-        held = {placement.value: 0 for placement in Placement}
-        for unit in self.units:
-            held[unit.placement.value] += sum(t.nbytes for t in unit.buffers())
-        if self.scheduler is not None:
-            held[Placement.HOST.value] += sum(t.nbytes for t in self.scheduler.pool.free_buffers())
-        return held
+        return self.placer.held_bytes()
 
     # -- state, for checkpoints and the next fit ------------------------------------------------------------
 
@@ -410,54 +348,23 @@ class OffloadEngine(GradientLanding):
     # -- placement ------------------------------------------------------------------------------------------
 
     def move(self, names: Sequence[str], placement: Placement) -> list[str]:
-        """Move the named units' state to `placement`, in that order (exact copies; between steps), each leaving no
-        copy behind, and size the spare sets for the host's room then; the names moved. Should the accelerator run
-        out of memory on the way, the units not moved yet stay where they are."""
+        """Move the named units' state to `placement` (exact copies, after any update in flight); the names moved."""
         self.wait_idle()
-        by_name = {unit.layout.name: unit for unit in self.units}
-        names = [name for name in names if by_name[name].placement is not placement]
-        if placement is Placement.HOST:  # room for them first: the spare sets the host no longer has room for go
-            self.plan = self.plan.moved(names, placement)
-            self._resize_pool()
-        moved = []
-        for name in names:
-            try:
-                relocate(by_name[name], placement, self._device(placement), grad_sum_dtype=self.grad_sum_dtype,
-                         pin=self.pin_memory and placement is Placement.HOST)
-            except torch.OutOfMemoryError:
-                break  # the estimate was off: this unit stays as it was (relocate changes nothing on failure)
-            moved.append(name)
-        self.plan = self.plan.with_placement({**self.plan.placement, **{n: by_name[n].placement for n in names}})
-        self._resize_pool()
-        return moved
+        return self.placer.move(names, placement)
 
     def place_by_peak(self, peak: int, more: bool = True) -> tuple[list[str], list[str]]:
-        """After a step whose accelerator memory peaked at `peak` bytes (the state there included): when the step ate
-        into the margin, move the accelerator's last units (forward order, as the first forward showed it) back;
-        else, with `more`, the host's first units to the accelerator while the margin stays free. The names moved
-        (there, back)."""
+        """After a step whose accelerator memory peaked at `peak` bytes: units to the accelerator or back
+        (`Placer.place_by_peak`), in the forward order the first forward showed; the names moved (there, back)."""
+        self.wait_idle()
         self._take_seen_forward()
-        order = {name: i for i, name in enumerate(self.forward_order)}
-        self.plan = self.plan.reordered(sorted(self.plan.shapes, key=lambda s: order[s.name]))
-        back = fewer_for_accelerator(self.plan, peak)
-        if back:
-            return [], self.move(back, Placement.HOST)
-        there = more_for_accelerator(self.plan, peak) if more else []
-        return self.move(there, Placement.ACCELERATOR), []
+        return self.placer.place_by_peak(peak, self.forward_order, more)
 
     def _take_seen_forward(self) -> None:
         seen, self._seen_forward = self._seen_forward or [], None
         self.forward_order = seen + [name for name in self.forward_order if name not in seen]
 
     def placement_summary(self) -> dict[str, tuple[int, int]]:
-        """Per placement ("host", "accelerator"): units with trained parameters, and their state's bytes there."""
-        summary = {p.value: (0, 0) for p in Placement}
-        for unit in self.units:
-            if unit.trained:
-                size = sum(self.plan.buffers(unit.layout.name).values())
-                count, total = summary[unit.placement.value]
-                summary[unit.placement.value] = (count + 1, total + size)
-        return summary
+        return self.placer.summary()
 
     def fp32_shards(self) -> dict[int, torch.Tensor]:
         """Copies of this rank's fp32 rows of every sharded parameter of the units, by id of the parameter (the master
@@ -482,9 +389,10 @@ class OffloadEngine(GradientLanding):
             self._hooks.clear()
             if self.scheduler is not None:
                 self.scheduler.close()
-                self.scheduler = None
+                self.scheduler = self.landing.scheduler = None
 
     def close(self) -> None:
         """Detach and let go of the state (a new engine replaces this one)."""
         self.detach()
-        self.units, self._modules, self._landed_order = [], [], []
+        self.units.clear()  # the landing's and the placer's too
+        self._modules, self.landing.landed_order = [], []

@@ -5,8 +5,7 @@ model outliving its Trainer does not keep the engine (its thread and its host st
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
-from typing import Any, cast
+from typing import NoReturn, Protocol, cast
 
 import torch
 from torch import nn
@@ -15,29 +14,40 @@ from torch.distributed.fsdp import FSDPModule
 from lightning_zoff._compat import all_gather_streams, before_reduce, restore_post_backward
 
 
+class UnitEvents(Protocol):
+    """What FSDP2's hooks tell the engine about unit `index` (its position in the engine's units)."""
+
+    def on_grads_noted(self, index: int, used: list[bool]) -> None:
+        """The unit is about to be reduced; `used`: per parameter that requires a gradient, whether it got one."""
+
+    def on_unit_reduced(self, index: int, flat_grad: torch.Tensor) -> None:
+        """The unit's reduced flat gradient shard, on the stream the hook was set with."""
+
+    def gate(self, index: int) -> None:
+        """Before the unit's forward (and FSDP2's all-gather for it)."""
+
+
 class UnitHooks:
-    """One unit's hooks. `engine` is called back as `engine.on_grads_noted(unit_index, used)`,
-    `engine.on_unit_reduced(unit_index, flat_grad)` and `engine.gate(unit_index)`."""
+    """One unit's hooks, calling `events` (held weakly: a model outliving its Trainer keeps no engine alive)."""
 
-    def __init__(self, module: nn.Module, engine: Any, unit_index: int, copy_stream: torch.cuda.Stream | None) -> None:
+    def __init__(self, module: nn.Module, events: UnitEvents, unit_index: int,
+                 copy_stream: torch.cuda.Stream | None) -> None:
         self.module = cast(FSDPModule, module)  # a unit: fully_shard made it one
-        ref = weakref.ref(engine)
+        ref = weakref.ref(events)
 
-        def call(method: str) -> Callable[..., None]:
-            def hook(*args: Any) -> None:
-                target = ref()
-                if target is None:
-                    _refuse_backward()
-                getattr(target, method)(unit_index, *args)
-            return hook
+        def target() -> UnitEvents:
+            alive = ref()
+            if alive is None:
+                _refuse_backward()
+            return alive
 
-        noted, reduced, gate = call("on_grads_noted"), call("on_unit_reduced"), call("gate")
-        before_reduce(module, noted)
+        before_reduce(module, lambda used: target().on_grads_noted(unit_index, used))
         self.module.set_gradient_divide_factor(1.0)
         self.module.set_force_sum_reduction_for_comms(True)  # gloo has no AVG; the 1/world goes into the step
-        self.module.set_all_reduce_hook(reduced, stream=copy_stream)
+        self.module.set_all_reduce_hook(lambda flat_grad: target().on_unit_reduced(unit_index, flat_grad),
+                                        stream=copy_stream)
         # prepend: before FSDP2's own pre-forward, whose all-gather reads the sharded parameters
-        self._gate = module.register_forward_pre_hook(lambda *_: gate(), prepend=True)
+        self._gate = module.register_forward_pre_hook(lambda *_: target().gate(unit_index), prepend=True)
 
     def remove(self) -> None:
         """FSDP2's reduce hook cannot be removed: it is pointed at one that refuses until the next engine's hooks
@@ -60,5 +70,5 @@ def order_after_copy(event: torch.cuda.Event | None, module: nn.Module, device: 
             stream.wait_event(event)
 
 
-def _refuse_backward() -> None:
+def _refuse_backward() -> NoReturn:
     raise RuntimeError("zoff: a backward reached a closed OffloadEngine; the strategy builds a new one for each fit.")

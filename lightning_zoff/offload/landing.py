@@ -1,7 +1,10 @@
-"""A unit's gradient on its way to the step, per rank: FSDP2's reduced shard into the unit's staging buffer, the
-window's sum, its sum of squares (the engine's docstring tells the whole path; `OffloadEngine` inherits this)."""
+"""A unit's gradient on its way to the step, per rank: FSDP2's reduced shard into the unit's landing buffer, the
+window's sum, its sum of squares. The engine owns one `GradientLanding` (its docstring tells the whole path)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -12,30 +15,51 @@ from lightning_zoff.offload.scheduler import HostScheduler
 from lightning_zoff.offload.unit_state import Phase, Placement, UnitState
 
 
-class GradientLanding:
-    """The engine's backward half. The engine sets these in its constructor:"""
-
-    units: list[UnitState]
-    scheduler: HostScheduler | None
-    traffic: Traffic
-    threads: int | None
-    world_size: int
-    window_ends: bool
-    loss_scale: float
-    accumulate_on_accelerator: bool
-    retain_device_sum: bool
+@dataclass(frozen=True)
+class LandingOptions:
+    sum_dtype: torch.dtype  # of the window's sum
     pin_memory: bool
-    grad_sum_dtype: torch.dtype
-    param_device: torch.device
-    copy_stream: torch.cuda.Stream | None
-    compute_stream: torch.cuda.Stream | None  # the training loop's: where the accelerator's units update
-    _landed_order: list[UnitState]
+    accumulate_on_accelerator: bool  # grad_accum_on == "accelerator"
+    retain_device_sum: bool  # retain_gpu_grad_partition_until_step
+    threads: int | None  # of the host kernels
+
+
+class GradientLanding:
+    """The backward half of the engine: the hooks' `on_grads_noted` and `on_unit_reduced` land here, and
+    `land` folds each arrival into its window (on the scheduler's worker, or inline). `speculate(unit)` is called for
+    each host unit whose window's gradient is complete, on the worker."""
+
+    def __init__(self, units: list[UnitState], options: LandingOptions, traffic: Traffic,
+                 scheduler: HostScheduler | None, speculate: Callable[[UnitState], None], *,
+                 param_device: torch.device, copy_stream: torch.cuda.Stream | None,
+                 compute_stream: torch.cuda.Stream | None) -> None:
+        self.units = units  # the engine's list
+        self.options = options
+        self.traffic = traffic
+        self.scheduler = scheduler  # None without overlap (and once the engine detached)
+        self.speculate = speculate
+        self.param_device = param_device
+        self.copy_stream = copy_stream  # D2H: FSDP2 calls `on_unit_reduced` on it
+        self.compute_stream = compute_stream  # the training loop's: where the accelerator's units update
+        self.window_ends = False  # this backward is its window's last (the step follows)
+        self.loss_scale = 1.0
+        self.landed_order: list[UnitState] = []  # this backward's units, in the order their gradients arrived
+
+    def begin_backward(self, window_ends: bool, loss_scale: float) -> None:
+        self.window_ends = window_ends
+        self.loss_scale = loss_scale
+        self.landed_order = []
+
+    def on_worker(self, unit: UnitState) -> bool:
+        """Whether the unit's host work runs on the scheduler's worker (with overlap, for units on the host) rather
+        than inline in the training thread (without overlap, or state on the accelerator)."""
+        return self.scheduler is not None and unit.placement is Placement.HOST
 
     def _grad_sum(self, unit: UnitState) -> torch.Tensor:
         """The unit's window sum, allocated when a window of several micro-batches first needs it."""
         if unit.grad_sum is None:
-            pin = self.pin_memory and unit.placement is Placement.HOST
-            unit.grad_sum = host_empty(unit.layout.flat_numel, self.grad_sum_dtype, unit.device, pin).zero_()
+            pin = self.options.pin_memory and unit.placement is Placement.HOST
+            unit.grad_sum = host_empty(unit.layout.flat_numel, self.options.sum_dtype, unit.device, pin).zero_()
         return unit.grad_sum
 
     def on_grads_noted(self, index: int, used: list[bool]) -> None:
@@ -56,15 +80,15 @@ class GradientLanding:
                 f"zoff: unit {unit.layout.name!r} reduced {flat_grad.numel()} gradient elements, expected"
                 f" {unit.layout.flat_numel}; this torch version lays out FSDP2 shards differently."
             )
-        if self._landed_order:  # FSDP2 made the last unit's gradients its `.grad`s by now: the engine has them
-            self._drop_accelerator_grads(self._landed_order[-1])
+        if self.landed_order:  # FSDP2 made the last unit's gradients its `.grad`s by now: the engine has them
+            self._drop_accelerator_grads(self.landed_order[-1])
         unit.staging_free.wait()  # the worker still reads the previous micro-batch's shard (rare: it keeps up)
         unit.staging_free.clear()
         window_ends = self.window_ends
         if unit.placement is Placement.ACCELERATOR:
             unit.held_grad = flat_grad  # kept as FSDP2 made it: the update reads it there
             self._keep_until_read(flat_grad, self.compute_stream)
-        elif not self.accumulate_on_accelerator or (window_ends and unit.phase is Phase.EMPTY):
+        elif not self.options.accumulate_on_accelerator or (window_ends and unit.phase is Phase.EMPTY):
             # host accumulation, or a window of one micro-batch: the 16-bit shard goes down as it is
             assert unit.grad_staging is not None
             unit.grad_staging.copy_(flat_grad, non_blocking=True)
@@ -74,10 +98,10 @@ class GradientLanding:
         # the accelerator may reuse the shard's memory once this stream's copies are done, not before
         self._keep_until_read(flat_grad, self.copy_stream)
         unit.grad_copied = record_event(self.copy_stream)
-        self._landed_order.append(unit)
-        if self.scheduler is not None and self._on_worker(unit):
+        self.landed_order.append(unit)
+        if self.scheduler is not None and self.on_worker(unit):
             event = unit.grad_copied
-            self.scheduler.land(lambda: self._land(unit, window_ends), ready=None if event is None else event.query)
+            self.scheduler.land(lambda: self.land(unit, window_ends), ready=None if event is None else event.query)
 
     @staticmethod
     def _keep_until_read(tensor: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
@@ -103,7 +127,7 @@ class GradientLanding:
             unit.device_sum = flat_grad.to(grad_sum.dtype, copy=True)
         else:
             unit.device_sum.add_(flat_grad)
-        if window_ends or not self.retain_device_sum:
+        if window_ends or not self.options.retain_device_sum:
             grad_sum.copy_(unit.device_sum, non_blocking=True)
             self.traffic.add(d2h_bytes=grad_sum.nbytes)
 
@@ -111,16 +135,17 @@ class GradientLanding:
     def after_backward(self) -> None:
         """Free the accelerator's gradients (the copies are ordered before any reuse of their memory by FSDP2's
         end of backward); without overlap, land every unit now."""
-        for unit in self._landed_order:
-            if not self._on_worker(unit):
-                self._land(unit, self.window_ends)
+        for unit in self.landed_order:
+            if not self.on_worker(unit):
+                self.land(unit, self.window_ends)
         for unit in self.units:
             self._drop_accelerator_grads(unit)
 
     @torch.no_grad()
-    def _land(self, unit: UnitState, window_ends: bool) -> None:
+    def land(self, unit: UnitState, window_ends: bool) -> None:
         """Fold the arrived shard into the window's sum; at the window's end take its sum of squares."""
         try:
+            assert unit.phase is not Phase.FINALIZING, "a unit lands between its decision and its update"
             if unit.phase is Phase.READY and unit.window_grad is not unit.grad_sum:
                 # the window's gradient was just overwritten: refuse, never guess
                 raise RuntimeError("zoff: a second backward ran after the window's last one, before the step")
@@ -132,8 +157,8 @@ class GradientLanding:
             arrived = unit.grad_staging if unit.held_grad is None else unit.held_grad
             unit.held_grad = None
             assert arrived is not None
-            if self.accumulate_on_accelerator and unit.device_sum is not None:
-                if window_ends or not self.retain_device_sum:
+            if self.options.accumulate_on_accelerator and unit.device_sum is not None:
+                if window_ends or not self.options.retain_device_sum:
                     unit.device_sum = None  # the host holds the sum now
                 unit.window_grad = self._grad_sum(unit)
             elif unit.phase is not Phase.EMPTY:
@@ -144,32 +169,26 @@ class GradientLanding:
                 unit.window_grad = self._accumulate(unit, self._grad_sum(unit), arrived, replace=True)
             unit.phase = Phase.READY if window_ends else Phase.SUMMING
             if window_ends:
-                unit.sumsq = self._unit_sumsq(unit)
-                if self._on_worker(unit):
-                    self._speculate(unit)
+                unit.sumsq = self.sumsq(unit)
+                if self.on_worker(unit):
+                    self.speculate(unit)
         finally:
             if unit.window_grad is not unit.grad_staging:
                 unit.staging_free.set()
-            if self.scheduler is not None and self._on_worker(unit):
+            if self.scheduler is not None and self.on_worker(unit):
                 self.scheduler.landed()
 
     def _accumulate(self, unit: UnitState, total: torch.Tensor, shard: torch.Tensor, replace: bool = False
                     ) -> torch.Tensor:
-        return accumulate(total, shard, replace=replace, kernel=self._on_host_kernels(unit), threads=self.threads)
+        return accumulate(total, shard, replace=replace, kernel=self._on_host_kernels(unit),
+                          threads=self.options.threads)
 
-    def _unit_sumsq(self, unit: UnitState) -> float:
+    def sumsq(self, unit: UnitState) -> float:
+        """The sum of squares of the unit's window gradient (the trained parameters' part)."""
         assert unit.window_grad is not None
         return sum_of_squares(unit.window_grad, unit.grad_spans, kernel=self._on_host_kernels(unit),
-                              threads=self.threads)
+                              threads=self.options.threads)
 
     @staticmethod
     def _on_host_kernels(unit: UnitState) -> bool:
         return unit.placement is Placement.HOST and unit.device.type == "cpu"
-
-    def _speculate(self, unit: UnitState) -> None:
-        raise NotImplementedError  # the engine's: queue the unit's update as if nothing is clipped or skipped
-
-    def _on_worker(self, unit: UnitState) -> bool:
-        """Whether the unit's host work runs on the scheduler's worker (with overlap, for units on the host) rather
-        than inline in the training thread (without overlap, or state on the accelerator)."""
-        return self.scheduler is not None and unit.placement is Placement.HOST

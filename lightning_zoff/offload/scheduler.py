@@ -30,18 +30,21 @@ _LAND, _FINALIZE, _SPECULATE = 0, 1, 2
 _SWITCH_INTERVAL_S = 0.0005
 
 
+SetSize = tuple[tuple[int, torch.dtype], ...]  # (elements, dtype) of each tensor of a set's state
+
+
 class SparePool:
     """Sets of spare buffers (`SpareSet`: a unit's state and its 16-bit copy), lent to one speculating unit at a time,
     by size. A kept speculation swaps the set's state with the unit's, and the unit's old state joins the pool. How many
     sets there are is the memory plan's (`MemoryPlan.spare_sets`); `resize` makes or frees them between steps."""
 
     def __init__(self) -> None:
-        self._free: dict[tuple, list[SpareSet]] = {}
+        self._free: dict[SetSize, list[SpareSet]] = {}
         self.sets = 0  # lent or free
         self.nbytes = 0
 
     @staticmethod
-    def _key(state: list[torch.Tensor]) -> tuple:
+    def _key(state: list[torch.Tensor]) -> SetSize:
         return tuple((t.numel(), t.dtype) for t in state)
 
     def resize(self, sets: int, make: Callable[[], SpareSet]) -> None:
@@ -108,7 +111,7 @@ class HostScheduler:
         window = self.window
 
         def task() -> None:
-            if window != self.window or unit.phase is Phase.EMPTY:
+            if window != self.window or unit.phase is not Phase.READY:
                 return  # decided already: finalizing does the exact work
             unit.spare = self.pool.take(unit.state)
             if unit.spare is None:

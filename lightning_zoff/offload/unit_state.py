@@ -86,7 +86,21 @@ class UpdateKey:
 
 @dataclass(eq=False)  # compared by identity
 class UnitState:
-    """Buffers as `memory_plan.unit_buffers` sizes them for the unit's placement."""
+    """Buffers as `memory_plan.unit_buffers` sizes them for the unit's placement.
+
+    Threads: with `overlap`, a host unit is written by the training thread and by the worker, never at once; each
+    phase says who may write it and a wait hands it over:
+    - EMPTY and SUMMING, in backward: the training thread writes `used`, `held_grad`, `device_sum`, `grad_copied` and
+      the contents of `grad_staging` (after `staging_free`: the worker is done reading it); the worker's landing then
+      writes `phase`, `window_grad`, `grad_sum`, `sumsq` and sets `staging_free`.
+    - READY: the worker's speculation writes `spare` and `speculation` (no other field).
+    - The step (`engine.step`) waits for every landing, then the training thread writes `sumsq` of SUMMING units,
+      `used` and `phase` = FINALIZING.
+    - FINALIZING: the worker alone writes `state`, `spare`, `speculation`, `window_grad`, `sumsq`, `param_staging`,
+      `params_copied` and the steps of `trained`, and ends with `phase` = EMPTY; the unit's next forward (`gate`)
+      waits for that before it reads `params_copied`.
+    Without overlap, or on the accelerator, the training thread does all of it.
+    """
 
     layout: UnitLayout
     placement: Placement

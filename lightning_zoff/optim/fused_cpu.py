@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from typing import overload
 
 import torch
+from typing_extensions import override
 
 from lightning_zoff.optim.rules import GroupHyperparams, UpdateRule
 from lightning_zoff.optim.update import update
@@ -39,6 +40,7 @@ class FusedCpuOptimizer(torch.optim.Optimizer):
     @overload
     def step(self, closure: Callable[[], float]) -> float: ...
 
+    @override
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None

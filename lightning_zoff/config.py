@@ -1,0 +1,143 @@
+"""Every option of zoff in one frozen, typed dataclass: its default, its one-line doc, its check.
+
+`ZoffStrategy(**options)` builds a `ZoffConfig` (refusing a bad value with the field's name and what it accepts), and
+the engine, the memory plan and the checkpoints read the options from it under the same names. README.md's option
+table is `markdown_table()` and `conf/strategy/zoff.yaml` lists every field (tests/test_config.py holds them to it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import MISSING, dataclass, field, fields
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from torch import nn
+
+from lightning_zoff.offload.placement import parse_accelerator_state
+
+StartMethod = Literal["subprocess", "fork", "spawn", "forkserver"]
+ACCUM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ParamInitFn = Callable[[nn.Module], None]
+ModuleClasses = frozenset[type[nn.Module]]
+
+
+def option(default: Any, doc: str) -> Any:
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass(frozen=True)
+class ZoffConfig:
+    offload: bool = option(True, "fp32 master weights and optimizer state on the host, updated by the CPU; false: on"
+                                 " the accelerator (`\"zoff_no_offload\"`)")
+    accelerator_state: str | float = option(
+        "auto", "with `offload`, how much of that state the GPU keeps instead, per unit: `\"auto\"` (what the host"
+                " cannot hold, then as much as a step's measured peak leaves room for), a fraction of the trained"
+                " parameters (the units the forward enters first), or `\"none\"`")
+    wrap_policy: ModuleClasses | None = option(
+        None, "module classes that become FSDP2 units; default: the repeated children of every `nn.ModuleList`; each"
+              " top-level child holding other parameters is a unit too")
+    activation_checkpointing_policy: ModuleClasses | Literal["auto"] = option(
+        "auto", "module classes recomputed in backward instead of keeping their activations; `\"auto\"`: the blocks,"
+                " when the GPU cannot hold all the optimizer state beside the model (its room is worth more as state"
+                " then); none: `None`")
+    start_method: StartMethod = option(
+        "subprocess", "how ranks start: Lightning's script re-run, or `\"fork\"`/`\"spawn\"`/`\"forkserver\"`"
+                      " multiprocessing (fork is the fast choice on CPU)")
+    weights_to_main_process: bool = option(
+        False, "with fork/spawn: after `fit`, gather the trained fp32 weights into the main process's module (every"
+               " rank holds the whole model for it)")
+    pin_memory: bool = option(True, "pinned host buffers; if the OS refuses (memlock), a warning and pageable memory")
+    grad_accum_dtype: Literal["fp32", "bf16", "fp16"] = option(
+        "fp32", "dtype of a window's gradient sum: `\"fp32\"` (exact) or the model's 16-bit dtype (half the bytes)")
+    optimizer_state_dtype: Literal["fp32", "bf16"] = option(
+        "fp32", "dtype of the moments (Adam's two, Lion's one): `\"fp32\"` or `\"bf16\"` (2 B each, computed in fp32"
+                " and stored rounded to nearest even; the master stays fp32)")
+    grad_accum_on: Literal["host", "accelerator"] = option(
+        "host", "where a window's sum lives between micro-batches: `\"host\"` or `\"accelerator\"` (the host gets"
+                " it once, at the window's end); same bits")
+    retain_gpu_grad_partition_until_step: bool = option(
+        False, "with `grad_accum_on=\"accelerator\"`: keep the sum there for the whole window instead of parking it"
+               " on the host between micro-batches")
+    cpu_threads: int | None = option(None, "threads of this rank's CPU kernels; default: the cores this process may"
+                                           " use divided by the ranks on its node")
+    overlap: bool = option(
+        True, "host work on a worker thread while the accelerator computes: speculative updates during backward into"
+              " spare sets the host has room for, each unit's forward waiting only for its own update; same bits")
+    process_group_backend: str | None = option(
+        None, "default: `\"cpu:gloo,cuda:nccl\"` on GPU (host tensors need gloo), `\"gloo\"` on CPU")
+    timeout: timedelta | None = option(default_pg_timeout, "how long a collective waits for the other ranks (None:"
+                                                           " torch's default)")
+    state_dict_type: Literal["sharded", "full"] = option(
+        "sharded", "checkpoints: `\"sharded\"` (a directory, one file per rank, resumable at any world size) or"
+                   " `\"full\"` (one file from rank 0, loadable without zoff)")
+    param_init_fn: ParamInitFn | None = option(
+        None, "`callable(module)` that initialises a module built on the meta device, a unit at a time; default:"
+              " the module's `init_module_weights`, Hugging Face's `_init_weights`, or `reset_parameters()`")
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: the checks store the normal form of what the user wrote
+        for name in ("offload", "weights_to_main_process", "pin_memory", "retain_gpu_grad_partition_until_step",
+                     "overlap"):
+            if not isinstance(getattr(self, name), bool):  # YAML's `offload: no` must not become True
+                raise TypeError(f"ZoffStrategy({name}={getattr(self, name)!r}): expected true or false.")
+        set_(self, "accelerator_state", parse_accelerator_state(self.accelerator_state))
+        _one_of("start_method", self.start_method, ("subprocess", "fork", "spawn", "forkserver"))
+        _one_of("grad_accum_dtype", self.grad_accum_dtype, sorted(ACCUM_DTYPES))
+        _one_of("optimizer_state_dtype", self.optimizer_state_dtype, ("fp32", "bf16"),
+                " (the moments in 2 bytes each instead of 4; the master weights stay fp32)")
+        _one_of("grad_accum_on", self.grad_accum_on, ("host", "accelerator"))
+        _one_of("state_dict_type", self.state_dict_type, ("sharded", "full"))
+        threads = self.cpu_threads
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise TypeError(f"ZoffStrategy(cpu_threads={threads!r}): expected a positive integer, or None for the cores"
+                            " this process may use divided by the ranks on its node.")
+        if self.param_init_fn is not None and not callable(self.param_init_fn):
+            raise TypeError(f"ZoffStrategy(param_init_fn={self.param_init_fn!r}): expected a callable(module), or"
+                            " None.")
+        set_(self, "wrap_policy", _classes("wrap_policy", self.wrap_policy) or None)
+        if self.activation_checkpointing_policy != "auto":
+            set_(self, "activation_checkpointing_policy",
+                 _classes("activation_checkpointing_policy", self.activation_checkpointing_policy))
+
+    @property
+    def moment_dtype(self) -> torch.dtype:
+        return MOMENT_DTYPES[self.optimizer_state_dtype]
+
+    @property
+    def accum_dtype(self) -> torch.dtype:
+        return ACCUM_DTYPES[self.grad_accum_dtype]
+
+
+def _one_of(name: str, value: Any, allowed: Iterable[str], why: str = "") -> None:
+    allowed = [repr(a) for a in allowed]
+    if repr(value) not in allowed:
+        choices = ", ".join(allowed[:-1]) + " or " + allowed[-1]
+        raise ValueError(f"{name}={value!r}; choose {choices}{why}.")
+
+
+def _classes(name: str, value: Any) -> frozenset[type[nn.Module]]:
+    classes = frozenset(value or ())
+    if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+        raise TypeError(f"ZoffStrategy({name}={value!r}): expected module classes, e.g. {{MyBlock}}.")
+    return classes
+
+
+def defaults() -> dict[str, Any]:
+    return {f.name: f.default for f in fields(ZoffConfig) if f.default is not MISSING}
+
+
+def markdown_table() -> str:
+    """README's option table: every field, its default and its doc."""
+    rows = ["| option | default | meaning |", "| --- | --- | --- |"]
+    for f in fields(ZoffConfig):
+        default = "30 min" if isinstance(f.default, timedelta) else f"`{f.default!r}`"
+        rows.append(f"| `{f.name}` | {default} | {f.metadata['doc']} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

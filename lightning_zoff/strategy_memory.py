@@ -1,0 +1,144 @@
+"""ZoffStrategy's memory: the machine read once at setup, the plan checked before the model is sharded (and the
+activation checkpointing "auto" chooses from it), "auto"'s moves after steps, the lines that report them, and what an
+out-of-memory error says. The strategy owns one `Memory`; the bytes themselves are the engine's memory plan's."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_zoff._compat import distributed_is_initialized
+from lightning_zoff.node_log import log_for_node
+from lightning_zoff.offload import OffloadEngine, describe_memory
+from lightning_zoff.offload.memory_plan import (
+    Machine,
+    MemoryPlan,
+    StateOptions,
+    accelerator_holds_all,
+    measure_machine,
+    plan_memory,
+)
+from lightning_zoff.offload.placement import Placement
+from lightning_zoff.sharding import forward_order, unit_shapes_before_sharding
+
+if TYPE_CHECKING:
+    from lightning_zoff.strategy import ZoffStrategy
+
+
+class Memory:
+    def __init__(self, strategy: ZoffStrategy) -> None:
+        self.strategy = strategy
+        self.machine: Machine | None = None  # read at setup
+        self.report: dict[str, float] = {}  # the engine's memory report, after setup and after each move
+        self._placing_by_peak = False  # "auto" on a GPU: after the next step, by its measured peak
+        self._moved_back = False
+
+    def read_machine(self) -> Machine:
+        """The least memory any rank measured: every rank plans with the same numbers (they read the host at slightly
+        different moments), so their plans and their reports agree."""
+        s = self.strategy
+        machine = measure_machine(s.root_device, s.num_processes)
+        if s.world_size > 1 and distributed_is_initialized():
+            readings = torch.tensor([machine.host_available, machine.accelerator_capacity or -1], dtype=torch.float64)
+            dist.all_reduce(readings, op=dist.ReduceOp.MIN)  # a CPU tensor: gloo, also under "cpu:gloo,cuda:nccl"
+            host, accelerator = (int(v) for v in readings.tolist())
+            machine = Machine(host, None if accelerator < 0 else accelerator)
+        self.machine = machine
+        return machine
+
+    def check_before_sharding(self, module: nn.Module, units: list[tuple[str, nn.Module]],
+                              accumulate_grad_batches: int) -> set[type[nn.Module]]:
+        """Refuse a model whose optimizer state cannot fit this machine before any of it (or the sharded model) is
+        allocated: the engine's plan, assuming the optimizer trains every parameter that requires a gradient. The
+        module classes whose activations to recompute."""
+        s, config = self.strategy, self.strategy.config
+        assert self.machine is not None
+        param_bytes = s.precision_plugin.param_dtype.itemsize
+        shapes, model_bytes = unit_shapes_before_sharding(module, units, s.world_size, param_bytes)
+        order = {name: i for i, name in enumerate(forward_order(module, units))}
+        options = StateOptions(
+            param_bytes=param_bytes, moment_bytes=config.moment_dtype.itemsize, moments=2,
+            sum_bytes=config.accum_dtype.itemsize if accumulate_grad_batches > 1 else 0,
+            sum_on_accelerator=config.grad_accum_on == "accelerator",
+            retain_device_sum=config.retain_gpu_grad_partition_until_step, overlap=config.overlap,
+            pin=config.pin_memory)
+        plan = plan_memory(sorted(shapes, key=lambda u: order.get(u.name, len(order))), options, self.machine,
+                           config.accelerator_state, model_bytes=model_bytes,
+                           masters_bytes=model_bytes * 4 // param_bytes)
+        if config.activation_checkpointing_policy != "auto":
+            return set(config.activation_checkpointing_policy)
+        if accelerator_holds_all(plan):
+            return set()
+        top_level = set(module.children())
+        blocks = {type(unit) for _, unit in units if unit not in top_level}
+        self._say(f"activation checkpointing of {sorted(c.__name__ for c in blocks)} (activation_checkpointing_policy="
+                  f"'auto'): the optimizer state ({self._all_state(plan) / 1e9:.1f} GB) and the model"
+                  f" ({plan.model_bytes / 1e9:.1f} GB) do not fit the accelerator together"
+                  f" ({(plan.machine.accelerator_capacity or 0) / 1e9:.1f} GB), so activations make room for state")
+        return blocks
+
+    @staticmethod
+    def _all_state(plan: MemoryPlan) -> int:
+        return plan.with_placement({u.name: Placement.ACCELERATOR for u in plan.shapes}).accelerator_bytes
+
+    def engine_built(self, engine: OffloadEngine) -> None:
+        """Report the new engine's memory and placement; "auto" on a GPU places more after the first step."""
+        config = self.strategy.config
+        self._placing_by_peak = (config.offload and config.accelerator_state == "auto"
+                                 and self.strategy.root_device.type == "cuda")
+        self._moved_back = False
+        self.report = engine.memory_report()
+        self._say(f"{engine.threads} CPU threads for the optimizer; memory: {describe_memory(self.report)}")
+        if config.offload:
+            self._say_placement(engine, "at setup" + (", more after the first step" if self._placing_by_peak else ""))
+
+    def after_step(self, engine: OffloadEngine) -> None:
+        """"auto" on a GPU, after a step: more state to the accelerator if the step's peak left room beside the margin,
+        some back to the host if it ate into it; after a move, the next step is checked again."""
+        if not self._placing_by_peak:
+            return
+        device = self.strategy.root_device
+        peak = torch.cuda.max_memory_reserved(device)
+        there, back = engine.place_by_peak(peak, more=not self._moved_back)
+        self._moved_back = self._moved_back or bool(back)  # never forth again: no oscillation
+        self._placing_by_peak = bool(there or back)
+        if back:
+            torch.cuda.empty_cache()  # the cached blocks of the state moved back would count in the next peak
+        torch.cuda.reset_peak_memory_stats(device)  # the next check reads the next step alone
+        moved = f"{len(there)} moved there" if there else f"{len(back)} moved back" if back else "none moved"
+        self._say_placement(engine, f"the step peaked at {peak / 1e9:.1f} GB, {moved}")
+        if there or back:
+            self.report = engine.memory_report()  # the placement now (benchmarks read it after fit)
+
+    def _say_placement(self, engine: OffloadEngine, why: str) -> None:
+        summary = engine.placement_summary()
+        (accel, accel_bytes), (host, host_bytes) = summary["accelerator"], summary["host"]
+        self._say(f"optimizer state of {accel} unit(s) ({accel_bytes / 1e9:.1f} GB) on the accelerator, {host} on the"
+                  f" host ({host_bytes / 1e9:.1f} GB): accelerator_state={self.strategy.config.accelerator_state!r},"
+                  f" {why}")
+
+    def _say(self, line: str) -> None:
+        s = self.strategy
+        log_for_node(line, s.global_rank, s.local_rank, s.num_processes)
+
+    @contextmanager
+    def explaining_oom(self) -> Generator[None, None, None]:
+        """zoff chose to keep optimizer state on the accelerator; a later, larger step must not die unexplained."""
+        try:
+            yield
+        except torch.OutOfMemoryError as err:
+            engine, config = self.strategy.engine, self.strategy.config
+            units, nbytes = engine.placement_summary()["accelerator"] if engine is not None else (0, 0)
+            if not units or not config.offload:
+                raise
+            raise torch.OutOfMemoryError(
+                f"{err}\nzoff keeps the optimizer state of {units} unit(s) ({nbytes / 1e9:.1f} GB) on the"
+                f" accelerator (accelerator_state={config.accelerator_state!r}), chosen from the steps' peak memory;"
+                " this step needed more. Keep less there: ZoffStrategy(accelerator_state=<a smaller fraction>) or"
+                " accelerator_state='none'."
+            ) from err
