@@ -26,12 +26,13 @@ _filter = _FirstRankOfNode()
 
 
 def speak_for_node(local_rank: int) -> None:
-    """From now on, this process logs zoff's info lines and warnings only if it is the first rank of its node."""
+    """From now on, this process logs zoff's info lines, and shows Python warnings, only if it is the first rank of
+    its node: the ranks of a node run the same code, so they would warn alike (errors still surface in every rank)."""
     _filter.local_rank = local_rank
     if _filter not in log.filters:
         log.addFilter(_filter)
     if local_rank != 0:
-        warnings.filterwarnings("ignore", module="lightning_zoff")
+        warnings.simplefilter("ignore")
 
 
 def log_for_node(line: str, global_rank: int, local_rank: int, ranks_on_node: int) -> None:

@@ -4,6 +4,7 @@ out-of-memory error says. The strategy owns one `Memory`; the bytes themselves a
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Generator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -22,12 +23,15 @@ from lightning_zoff.offload.memory_plan import (
     accelerator_holds_all,
     measure_machine,
     plan_memory,
+    size,
 )
 from lightning_zoff.offload.placement import Placement
 from lightning_zoff.sharding import forward_order, unit_shapes_before_sharding
 
 if TYPE_CHECKING:
     from lightning_zoff.strategy import ZoffStrategy
+
+log = logging.getLogger("lightning_zoff")
 
 
 class Memory:
@@ -76,10 +80,9 @@ class Memory:
             return set()
         top_level = set(module.children())
         blocks = {type(unit) for _, unit in units if unit not in top_level}
-        self._say(f"activation checkpointing of {sorted(c.__name__ for c in blocks)} (activation_checkpointing_policy="
-                  f"'auto'): the optimizer state ({self._all_state(plan) / 1e9:.1f} GB) and the model"
-                  f" ({plan.model_bytes / 1e9:.1f} GB) do not fit the accelerator together"
-                  f" ({(plan.machine.accelerator_capacity or 0) / 1e9:.1f} GB), so activations make room for state")
+        names = ", ".join(sorted(c.__name__ for c in blocks))
+        self._say(f"recomputing {names} activations ('auto'): state {self._all_state(plan) / 1e9:.1f} GB + model"
+                  f" {plan.model_bytes / 1e9:.1f} GB > GPU {(plan.machine.accelerator_capacity or 0) / 1e9:.1f} GB")
         return blocks
 
     @staticmethod
@@ -93,9 +96,13 @@ class Memory:
                                  and self.strategy.root_device.type == "cuda")
         self._moved_back = False
         self.report = engine.memory_report()
-        self._say(f"{engine.threads} CPU threads for the optimizer; memory: {describe_memory(self.report)}")
+        r = self.report
+        self._say(f"host {size(r['host_total'])} of {size(r['host_capacity'])} planned"
+                  f" ({r['host_bytes_per_trained_param']:.1f} B/param), {int(r['spare_sets'])} spare set(s),"
+                  f" {engine.threads} CPU thread(s)")
+        log.debug("zoff rank %d memory: %s", self.strategy.global_rank, describe_memory(r))
         if config.offload:
-            self._say_placement(engine, "at setup" + (", more after the first step" if self._placing_by_peak else ""))
+            self._say_placement(engine, f"{config.accelerator_state!r} at setup")
 
     def after_step(self, engine: OffloadEngine) -> None:
         """"auto" on a GPU, after a step: more state to the accelerator if the step's peak left room beside the margin,
@@ -111,16 +118,16 @@ class Memory:
             torch.cuda.empty_cache()  # the cached blocks of the state moved back would count in the next peak
         torch.cuda.reset_peak_memory_stats(device)  # the next check reads the next step alone
         moved = f"{len(there)} moved there" if there else f"{len(back)} moved back" if back else "none moved"
-        self._say_placement(engine, f"the step peaked at {peak / 1e9:.1f} GB, {moved}")
+        self._say_placement(engine, f"a step peaked at {peak / 1e9:.1f} GB, {moved}")
         if there or back:
             self.report = engine.memory_report()  # the placement now (benchmarks read it after fit)
 
     def _say_placement(self, engine: OffloadEngine, why: str) -> None:
         summary = engine.placement_summary()
         (accel, accel_bytes), (host, host_bytes) = summary["accelerator"], summary["host"]
-        self._say(f"optimizer state of {accel} unit(s) ({accel_bytes / 1e9:.1f} GB) on the accelerator, {host} on the"
-                  f" host ({host_bytes / 1e9:.1f} GB): accelerator_state={self.strategy.config.accelerator_state!r},"
-                  f" {why}")
+        where = "GPU" if self.strategy.root_device.type == "cuda" else "accelerator"
+        self._say(f"state: {accel} unit(s) on the {where} ({size(accel_bytes)}), {host} on the host"
+                  f" ({size(host_bytes)}); {why}")
 
     def _say(self, line: str) -> None:
         s = self.strategy
