@@ -73,16 +73,20 @@ def model_shape(name: str) -> dict[str, Any]:
     if name in TEST_SHAPES:
         return dict(TEST_SHAPES[name])
     option, changes = MODELS[name]
+    return {**conf_model(option), **changes}
+
+
+def conf_model(option: str) -> dict[str, Any]:
+    """The model of conf/model/`option`.yaml: a GPT's `GPTModule` keyword arguments, or a Hugging Face preset as
+    {"hf": preset, "block_size": the sequence length}."""
     import yaml  # Lightning's dependency
 
     config = yaml.safe_load((CONF_MODEL / f"{option}.yaml").read_text())
     if "_target_" not in config:  # an option of `@package _global_`: the model's keys are under `model:`
         config = config["model"]
     if config["_target_"].endswith(".HFCausalLM"):
-        shape = {"hf": config["model"], "block_size": config["block_size"]}
-    else:
-        shape = {key: value for key, value in config.items() if key != "_target_"}
-    return {**shape, **changes}
+        return {"hf": config["model"], "block_size": config["block_size"]}
+    return {key: value for key, value in config.items() if key != "_target_"}
 
 
 def parse_options(pairs: list[str]) -> dict[str, Any]:

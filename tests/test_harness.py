@@ -113,6 +113,7 @@ def test_model_shapes_come_from_conf_model():
     assert harness.model_shape("gpt7b")["n_embd"] == 4096
     assert harness.model_shape("qwen3_4b") == {"hf": "qwen3_4b", "block_size": 512}
     assert harness.model_shape("tiny")["n_layer"] == 2
+    assert harness.conf_model("gpt_125m")["tie_weights"] is True
     assert set(harness.MODEL_NAMES) == {"gpt1b", "gpt7b", "gpt13b", "gpt30b", "qwen3_4b", "qwen3_tiny", "tiny",
                                         "small"}
 
