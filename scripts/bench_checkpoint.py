@@ -1,6 +1,6 @@
 """Time and host memory of saving and loading a sharded zoff checkpoint of a GPT: this tree's layout (one file per
-rank) next to another source tree's, such as format version 1 (one torch.distributed.checkpoint file per tensor and
-rank) of an older revision.
+rank) next to another source tree's, such as a revision that writes format version 1 (one torch.distributed.checkpoint
+file per tensor and rank).
 
     python scripts/bench_checkpoint.py --model gpt7b --baseline 4b94f8b [--ranks 1] [--option accelerator_state=0.5]
     python scripts/bench_checkpoint.py --width 1024 --blocks 8 --baseline 4b94f8b   # a modest size, for the CPU

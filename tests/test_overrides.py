@@ -11,7 +11,7 @@ import pytest
 
 import lightning_zoff
 
-# owned by other work (issue 16): the engine and the tensor-level checkpoint code
+# not checked: the engine and the tensor-level checkpoint code
 NOT_CHECKED = ("lightning_zoff.offload", "lightning_zoff.checkpoint", "lightning_zoff.ops", "lightning_zoff.optim")
 # set by Python itself or by dataclasses, not written by us as overrides
 IMPLICIT = {"__init__", "__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__annotations__",
