@@ -64,7 +64,8 @@ from pathlib import Path
 
 from bench_deepspeed import DEEPSPEED_RUNS, RATIOS, unsupported
 from bench_runs import DEFAULT_RUNS, RUNS, bench_run, run_one
-from harness import MODEL_NAMES, RunFailure, outcome_of, run_function
+from harness import RunFailure, outcome_of, run_function
+from model_shapes import MODEL_NAMES
 
 
 def run_child(args: argparse.Namespace, name: str, accumulate: int, steps: int, warmup: int,

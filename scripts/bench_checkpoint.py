@@ -31,7 +31,8 @@ from pathlib import Path
 
 import psutil
 
-from harness import RssSampler, model_shape, parse_options, report, run_function
+from harness import RssSampler, parse_options, report, run_function
+from model_shapes import model_shape
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -148,7 +149,7 @@ def table(runs: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="a GPT of harness.MODEL_NAMES (gpt1b, gpt7b, ...)")
+    parser.add_argument("--model", default=None, help="a GPT of model_shapes.MODEL_NAMES (gpt1b, gpt7b, ...)")
     parser.add_argument("--width", type=int, default=1024, help="without --model: n_embd")
     parser.add_argument("--blocks", type=int, default=8, help="without --model: n_layer")
     parser.add_argument("--seq", type=int, default=64, help="without --model: block_size")

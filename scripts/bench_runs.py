@@ -12,7 +12,8 @@ import sys
 from typing import Any
 
 from bench_deepspeed import DEEPSPEED_RUNS, ZERO_STAGE
-from harness import BenchRun, StepMeasurement, model_shape, parse_options
+from harness import BenchRun, StepMeasurement, parse_options
+from model_shapes import model_shape
 
 # zoff variants: where the optimizer state lives, the synchronous engine, where the sum of an accumulation window
 # lives, the kernels' threads, bf16 moments

@@ -27,7 +27,8 @@ import socket
 import time
 from pathlib import Path
 
-from harness import conf_model, report, run_function
+from harness import report, run_function
+from model_shapes import conf_model
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT_125M = conf_model("gpt_125m")

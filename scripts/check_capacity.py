@@ -21,7 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from harness import MODEL_NAMES, model_shape, parse_options
+from harness import parse_options
+from model_shapes import MODEL_NAMES, model_shape
 
 GPTS = [name for name in MODEL_NAMES if "hf" not in model_shape(name)]  # the example GPT's shapes
 

@@ -28,7 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness import MODEL_NAMES, model_shape, run_command
+from harness import run_command
+from model_shapes import MODEL_NAMES, model_shape
 
 BENCH = Path(__file__).resolve().parent / "bench.py"
 MOMENTS = {"zoff": 4, "zoff_bf16_moments": 2}

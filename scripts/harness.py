@@ -1,5 +1,5 @@
 """What the scripts share: child processes and their results, the resident memory of a process tree, how a failed run
-ended, model shapes by name and the schema of scripts/bench.py's results.
+ended, and the schema of scripts/bench.py's results.
 
 - `run_command` runs a command and `run_function` a top-level function of a file (a script, a test module) in a fresh
   Python process; Lightning's launchers re-run that command line for the other ranks. Either samples the resident
@@ -9,13 +9,14 @@ ended, model shapes by name and the schema of scripts/bench.py's results.
   `call(fn, **kwargs)` is the short form: what `fn` returned on each rank, or an exception with the output's tail.
 - `RssSampler`: the peak resident memory of a process, or of it and all its descendants, sampled by a thread.
 - `failure_line` and `outcome_of`: a failed run's cause in one line, and in one word.
-- `model_shape`: the models the scripts take by name, from conf/model/*.yaml; `parse_options`: `key=value` strings.
+- `parse_options`: ZoffStrategy options from `key=value` strings (the models by name: model_shapes.py).
 - `BenchRun`, `StepMeasurement`, `RunFailure`: what each entry of scripts/bench.py's JSON holds.
 
 No torch here (psutil and the standard library): a parent that measures its children's memory stays small, and Linux
 carries a process's peak RSS into the children it forks. The Lightning callbacks that record steps are in
-recorders.py. The scripts import both as their neighbours (`from harness import call`): Python puts a script's own
-directory first on sys.path; the tests get scripts/ from pytest's `pythonpath`.
+recorders.py. The scripts import these modules as their neighbours (`from harness import call`): Python puts a
+script's own directory first on sys.path; the tests get scripts/ from pytest's `pythonpath`. lightning_zoff comes
+from the environment: the checkout installed (`pip install -e .`), or on PYTHONPATH as scripts/gpu_checks.sh sets it.
 
     python scripts/harness.py FILE FUNCTION KWARGS_JSON    # the child of run_function: FUNCTION(**KWARGS) of FILE
 """
@@ -46,47 +47,8 @@ from typing import IO, Any, Literal
 import psutil
 
 RESULTS_ENV = "ZOFF_HARNESS_RESULTS"
-CONF_MODEL = Path(__file__).resolve().parents[1] / "conf" / "model"
 
-# -- models and options --------------------------------------------------------------------------------------------
-
-# the models the scripts take by name: a conf/model option and the values that differ from it
-MODELS: dict[str, tuple[str, dict[str, Any]]] = {
-    "gpt1b": ("gpt_1b", {}),
-    "gpt7b": ("gpt_7b", {"block_size": 1024}),  # gpt1b's sequence length
-    "gpt13b": ("gpt_13b", {}),
-    "gpt30b": ("gpt_30b", {}),
-    "qwen3_4b": ("hf_qwen3_4b", {}),
-    "qwen3_tiny": ("hf_qwen3_tiny", {"block_size": 64}),
-}
-# sizes for a quick run on the CPU, which no conf/model option has
-TEST_SHAPES: dict[str, dict[str, Any]] = {
-    "tiny": dict(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64, bias=False),
-    "small": dict(vocab_size=32000, block_size=512, n_layer=4, n_head=8, n_embd=512, bias=False),
-}
-MODEL_NAMES = tuple(sorted([*MODELS, *TEST_SHAPES]))
-
-
-def model_shape(name: str) -> dict[str, Any]:
-    """Model `name` as the scripts build it: a GPT's `GPTModule` keyword arguments, or a Hugging Face preset as
-    {"hf": preset, "block_size": the sequence length}."""
-    if name in TEST_SHAPES:
-        return dict(TEST_SHAPES[name])
-    option, changes = MODELS[name]
-    return {**conf_model(option), **changes}
-
-
-def conf_model(option: str) -> dict[str, Any]:
-    """The model of conf/model/`option`.yaml: a GPT's `GPTModule` keyword arguments, or a Hugging Face preset as
-    {"hf": preset, "block_size": the sequence length}."""
-    import yaml  # Lightning's dependency
-
-    config = yaml.safe_load((CONF_MODEL / f"{option}.yaml").read_text())
-    if "_target_" not in config:  # an option of `@package _global_`: the model's keys are under `model:`
-        config = config["model"]
-    if config["_target_"].endswith(".HFCausalLM"):
-        return {"hf": config["model"], "block_size": config["block_size"]}
-    return {key: value for key, value in config.items() if key != "_target_"}
+# -- options -------------------------------------------------------------------------------------------------------
 
 
 def parse_options(pairs: list[str]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import bench_deepspeed
 import bench_plot
 import bench_runs
 import harness
+import model_shapes
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -165,7 +166,7 @@ def test_compare_against_the_fastest_exact_deepspeed():
 
 
 def test_models_and_default_runs():
-    assert harness.model_shape("gpt13b") == dict(vocab_size=32000, block_size=1024, n_layer=40, n_head=40,
+    assert model_shapes.model_shape("gpt13b") == dict(vocab_size=32000, block_size=1024, n_layer=40, n_head=40,
                                                  n_embd=5120, dropout=0.0, bias=False, tie_weights=False)
     assert {"fsdp2_cpu_offload", "gpu_only", "zoff", *bench_deepspeed.DEEPSPEED_RUNS} <= set(bench_runs.DEFAULT_RUNS)
     assert bench_runs.model_spec("gpt13b", layers=20)["n_layer"] == 20

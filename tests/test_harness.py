@@ -1,5 +1,5 @@
-"""scripts/harness.py and scripts/recorders.py, what the scripts share: the peak resident memory of a process tree, a
-child's results by rank, the kill at a timeout, the failure line, and the step recorder."""
+"""What the scripts share (scripts/harness.py, recorders.py, model_shapes.py): the peak resident memory of a process
+tree, a child's results by rank, the kill at a timeout, the failure line, the step recorder and the models by name."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 import harness
+import model_shapes
 
 MB = 2**20
 # a process that holds `MB_HELD` MiB (written, so resident) for a while, with a child of its own holding half that
@@ -107,15 +108,15 @@ def test_report_needs_a_parent():
 
 
 def test_model_shapes_come_from_conf_model():
-    assert harness.model_shape("gpt1b") == dict(vocab_size=32000, block_size=1024, n_layer=24, n_head=16, n_embd=2048,
-                                                dropout=0.0, bias=False, tie_weights=False)
-    assert harness.model_shape("gpt7b")["block_size"] == 1024  # conf/model/gpt_7b.yaml has 2048
-    assert harness.model_shape("gpt7b")["n_embd"] == 4096
-    assert harness.model_shape("qwen3_4b") == {"hf": "qwen3_4b", "block_size": 512}
-    assert harness.model_shape("tiny")["n_layer"] == 2
-    assert harness.conf_model("gpt_125m")["tie_weights"] is True
-    assert set(harness.MODEL_NAMES) == {"gpt1b", "gpt7b", "gpt13b", "gpt30b", "qwen3_4b", "qwen3_tiny", "tiny",
-                                        "small"}
+    assert model_shapes.model_shape("gpt1b") == dict(vocab_size=32000, block_size=1024, n_layer=24, n_head=16,
+                                                     n_embd=2048, dropout=0.0, bias=False, tie_weights=False)
+    assert model_shapes.model_shape("gpt7b")["block_size"] == 1024  # conf/model/gpt_7b.yaml has 2048
+    assert model_shapes.model_shape("gpt7b")["n_embd"] == 4096
+    assert model_shapes.model_shape("qwen3_4b") == {"hf": "qwen3_4b", "block_size": 512}
+    assert model_shapes.model_shape("tiny")["n_layer"] == 2
+    assert model_shapes.conf_model("gpt_125m")["tie_weights"] is True
+    assert set(model_shapes.MODEL_NAMES) == {"gpt1b", "gpt7b", "gpt13b", "gpt30b", "qwen3_4b", "qwen3_tiny", "tiny",
+                                             "small"}
 
 
 def test_options_are_python_literals_or_strings():
