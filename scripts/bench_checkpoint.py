@@ -1,17 +1,17 @@
 """Time and host memory of saving and loading a sharded zoff checkpoint of a GPT: this tree's layout (one file per
-rank) next to another source tree's, such as format version 1 (one torch.distributed.checkpoint file per tensor and
-rank) of an older revision.
+rank) next to another source tree's, such as a revision that writes format version 1 (one torch.distributed.checkpoint
+file per tensor and rank).
 
     python scripts/bench_checkpoint.py --model gpt7b --baseline 4b94f8b [--ranks 1] [--option accelerator_state=0.5]
     python scripts/bench_checkpoint.py --width 1024 --blocks 8 --baseline 4b94f8b   # a modest size, for the CPU
 
 For each tree, two fresh processes (each starting its ranks, on the GPUs when CUDA is there): one trains a step and
 saves (`trainer.save_checkpoint`, in `on_train_end`), the other resumes from the checkpoint (`fit(ckpt_path=...)`,
-which loads and stops). In every rank a thread samples the resident memory (psutil, every 5 ms) while the save runs,
-and while the strategy's `load_checkpoint` does; per rank come back the seconds, the RSS before and its peak above
-that, and the optimizer state the rank holds on the host and on the accelerator. The checkpoint's files are counted,
-then it is deleted (the disk must hold one: 12 B/param with fp32 moments, 8 with bf16). The load reads files the
-save just wrote, mostly from the page cache, for both trees alike.
+which loads and stops). In every rank a thread samples the resident memory (harness.RssSampler, every 5 ms) while
+the save runs, and while the strategy's `load_checkpoint` does; per rank come back the seconds, the RSS before and its
+peak above that, and the optimizer state the rank holds on the host and on the accelerator. The checkpoint's files are
+counted, then it is deleted (the disk must hold one: 12 B/param with fp32 moments, 8 with bf16). The load reads files
+the save just wrote, mostly from the page cache, for both trees alike.
 
 `--baseline` is a directory holding another `lightning_zoff/`, or a git revision of this repository, extracted with
 `git archive` into the work directory. Prints a table and writes JSON (`--out`).
@@ -26,11 +26,13 @@ import os
 import platform
 import shutil
 import subprocess
-import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
+
+import psutil
+
+from harness import RssSampler, parse_options, report, run_function
+from model_shapes import model_shape
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,38 +40,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # -- in the ranks (run with the tree measured first on PYTHONPATH) -----------------------------------------------
 
 
-class Sampler:
-    """Peak resident memory of this process while the block runs, sampled by a thread."""
-
-    def __init__(self, interval_s: float = 0.005) -> None:
-        import psutil
-
-        self.process, self.interval_s = psutil.Process(), interval_s
-        self.before = self.peak = self.after = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.process.memory_info().rss)
-            time.sleep(self.interval_s)
-
-    def __enter__(self) -> Sampler:
-        self.before = self.peak = self.process.memory_info().rss
-        self.started = time.perf_counter()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.seconds = time.perf_counter() - self.started
-        self._stop.set()
-        self._thread.join()
-        self.after = self.process.memory_info().rss
-        self.peak = max(self.peak, self.after)
-
-    def result(self, **extra: object) -> dict:
-        return {"seconds": self.seconds, "rss_before": self.before, "rss_peak": self.peak, "rss_after": self.after,
-                "peak_above_before": self.peak - self.before, **extra}
+def sampled(rss: RssSampler, **extra: object) -> dict:
+    """This process's memory while the block ran: the seconds, the RSS before and its peak above that."""
+    return {"seconds": rss.seconds, "rss_before": rss.before, "rss_peak": rss.peak, "rss_after": rss.after,
+            "peak_above_before": rss.peak - rss.before, **extra}
 
 
 def state_bytes(engine) -> dict:
@@ -82,7 +56,9 @@ def state_bytes(engine) -> dict:
     return held
 
 
-def child(args: argparse.Namespace) -> None:
+def save_or_load(phase: str, ranks: int, shape: dict, options: dict, ckpt: str) -> None:
+    """Train one step and save (`phase` "save"), or resume from the checkpoint (`phase` "load"); each rank reports what
+    the save or the strategy's `load_checkpoint` took."""
     import lightning.pytorch as pl
     import torch
 
@@ -90,41 +66,39 @@ def child(args: argparse.Namespace) -> None:
     from lightning_zoff.examples.corpus import SyntheticDataModule
     from lightning_zoff.examples.gpt import GPTModule
 
-    shape, options, ckpt, out = json.loads(args.shape), json.loads(args.options), Path(args.ckpt), Path(args.out_dir)
     gpu = torch.cuda.is_available()
 
     class SaveAtEnd(pl.Callback):
         def on_train_end(self, trainer, pl_module):
-            with Sampler() as sampled:
+            with RssSampler(interval_s=0.005, tree=False) as rss:
                 trainer.save_checkpoint(ckpt)
-            record(trainer, sampled.result(state=state_bytes(trainer.strategy.engine)))
+            record(trainer, sampled(rss, state=state_bytes(trainer.strategy.engine)))
 
     def record(trainer: pl.Trainer, result: dict) -> None:
         device = torch.cuda.get_device_name() if gpu else platform.processor() or platform.machine()
-        result |= {"device": device, "torch": torch.__version__}
-        (out / f"{args.child}_rank{trainer.global_rank}.json").write_text(json.dumps(result))
+        report({**result, "device": device, "torch": torch.__version__}, rank=trainer.global_rank)
 
     strategy = ZoffStrategy(**options)
     pl.seed_everything(0)
-    trainer = pl.Trainer(accelerator="gpu" if gpu else "cpu", devices=args.ranks, strategy=strategy,
+    trainer = pl.Trainer(accelerator="gpu" if gpu else "cpu", devices=ranks, strategy=strategy,
                          precision="bf16-mixed" if gpu else "32-true", max_steps=1, logger=False,
-                         callbacks=[SaveAtEnd()] if args.child == "save" else [], enable_checkpointing=False,
+                         callbacks=[SaveAtEnd()] if phase == "save" else [], enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
-    if args.child == "load":
+    if phase == "load":
         load = strategy.load_checkpoint
 
         def measured_load(*a, **kw):
-            with Sampler() as sampled:
+            with RssSampler(interval_s=0.005, tree=False) as rss:
                 loaded = load(*a, **kw)
-            record(trainer, sampled.result(state=state_bytes(strategy.engine)))
+            record(trainer, sampled(rss, state=state_bytes(strategy.engine)))
             return loaded
 
         strategy.load_checkpoint = measured_load  # type: ignore[method-assign]
     with trainer.init_module(empty_init=True):
         module = GPTModule(**shape)
     data = SyntheticDataModule(vocab_size=shape["vocab_size"], block_size=shape["block_size"], batch_size=1,
-                               num_samples=args.ranks)
-    trainer.fit(module, datamodule=data, ckpt_path=ckpt if args.child == "load" else None)
+                               num_samples=ranks)
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt if phase == "load" else None)
 
 
 # -- the parent: no torch here, so each child's memory is its own ----------------------------------------------
@@ -142,18 +116,14 @@ def source_tree(baseline: str, work: Path) -> Path:
 
 
 def measure(tree: Path, args: argparse.Namespace, shape: dict, options: dict, work: Path) -> dict:
-    ckpt, out = work / "checkpoint", work / f"results_{tree.name}"
+    ckpt = work / "checkpoint"
     shutil.rmtree(ckpt, ignore_errors=True)
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
     run = {"tree": str(tree)}
     for phase in ("save", "load"):
-        command = [sys.executable, str(Path(__file__).resolve()), "--child", phase, "--ranks", str(args.ranks),
-                   "--shape", json.dumps(shape), "--options", json.dumps(options), "--ckpt", str(ckpt),
-                   "--out-dir", str(out)]
-        subprocess.run(command, env=env, check=True, cwd=work)
-        run[phase] = [json.loads((out / f"{phase}_rank{r}.json").read_text()) for r in range(args.ranks)]
+        kwargs = dict(phase=phase, ranks=args.ranks, shape=shape, options=options, ckpt=str(ckpt))
+        ranks = run_function(save_or_load, kwargs, env=env, cwd=work).check().results
+        run[phase] = [ranks[r] for r in range(args.ranks)]
         if phase == "save":
             files = [f for f in ckpt.rglob("*") if f.is_file()]
             run["files"], run["bytes"] = len(files), sum(f.stat().st_size for f in files)
@@ -179,7 +149,7 @@ def table(runs: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="a GPT shape of scripts/bench.py's MODELS (gpt1b, gpt7b, ...)")
+    parser.add_argument("--model", default=None, help="a GPT of model_shapes.MODEL_NAMES (gpt1b, gpt7b, ...)")
     parser.add_argument("--width", type=int, default=1024, help="without --model: n_embd")
     parser.add_argument("--blocks", type=int, default=8, help="without --model: n_layer")
     parser.add_argument("--seq", type=int, default=64, help="without --model: block_size")
@@ -188,19 +158,9 @@ def main() -> None:
     parser.add_argument("--baseline", default=None, help="another source tree, or a git revision, to measure too")
     parser.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
     parser.add_argument("--out", type=Path, default=None, help="the JSON to write")
-    for name in ("--child", "--shape", "--options", "--ckpt", "--out-dir"):
-        parser.add_argument(name, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:
-        child(args)
-        return
-    import psutil
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from bench import MODELS, parse_options
-
     if args.model:
-        shape = dict(MODELS[args.model])
+        shape = model_shape(args.model)
     else:
         shape = dict(vocab_size=32000, block_size=args.seq, n_layer=args.blocks, n_head=max(args.width // 128, 1),
                      n_embd=args.width, bias=False)

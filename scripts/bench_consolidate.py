@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
+import resource
 import tempfile
 from pathlib import Path
 
-PEAK_RSS = "import resource, sys; {body}; print('PEAK_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+from harness import run_function
 
 
-def build(work: Path, width: int, blocks: int, ranks: int) -> None:
-    """Train one step and save the sharded checkpoint `work/ck/step1.ckpt` (run as a child)."""
+def build(work: str, width: int, blocks: int, ranks: int) -> None:
+    """Train one step and save the sharded checkpoint `work/ck/step1.ckpt` (in a child)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # forked ranks hang if the parent started a larger OpenMP pool
     import lightning.pytorch as pl
     import torch
@@ -49,21 +48,37 @@ def build(work: Path, width: int, blocks: int, ranks: int) -> None:
     trainer = pl.Trainer(
         accelerator="cpu", devices=ranks, strategy=ZoffStrategy(start_method="fork"), precision="bf16-true",
         max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[ModelCheckpoint(dirpath=work / "ck", filename="step1", every_n_train_steps=1)],
+        callbacks=[ModelCheckpoint(dirpath=Path(work) / "ck", filename="step1", every_n_train_steps=1)],
     )
     trainer.fit(Wide(), DataLoader(TensorDataset(torch.randn(2 * ranks, width)), batch_size=2))
 
 
-def model_bytes(file: Path) -> str:
+def peak_rss() -> int:
+    """This process's peak resident memory so far, in bytes."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def consolidate_peak(ckpt: str, out: str, buffer_mb: int) -> int:
+    """Consolidate `ckpt` into `out` (in a child): the child's peak."""
+    from lightning_zoff.consolidate import main
+
+    main([ckpt, out, "--buffer-mb", str(buffer_mb), "--no-progress"])
+    return peak_rss()
+
+
+def import_peak() -> int:
+    """The peak of a child that only imports the consolidation."""
+    import lightning_zoff.consolidate  # noqa: F401
+
+    return peak_rss()
+
+
+def model_bytes(file: str) -> tuple[int, int]:
+    """The bytes and the number of tensors of a consolidated file's state dict (in a child)."""
     import torch
 
     state = torch.load(file, mmap=True, weights_only=True)["state_dict"]
-    return f"{sum(t.nbytes for t in state.values())} {len(state)}"
-
-
-def peak_kb(body: str) -> int:
-    out = subprocess.run([sys.executable, "-c", PEAK_RSS.format(body=body)], check=True, capture_output=True, text=True)
-    return int(out.stdout.split("PEAK_KB")[-1])
+    return sum(t.nbytes for t in state.values()), len(state)
 
 
 def main() -> None:
@@ -73,25 +88,16 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=1)
     parser.add_argument("--buffer-mb", type=int, default=256)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
-    parser.add_argument("--build", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     work = Path(args.dir or tempfile.mkdtemp(prefix="zoff_bench_consolidate_"))
-    if args.build:
-        build(work, args.width, args.blocks, args.ranks)
-        return
     ckpt = work / "ck" / "step1.ckpt"
     if not ckpt.exists():
-        subprocess.run([sys.executable, __file__, "--build", "--dir", str(work), "--width", str(args.width),
-                        "--blocks", str(args.blocks), "--ranks", str(args.ranks)], check=True)
+        run_function(build, dict(work=str(work), width=args.width, blocks=args.blocks, ranks=args.ranks)).check()
     out = work / "model.pt"
-    call = f"main([{str(ckpt)!r}, {str(out)!r}, '--buffer-mb', '{args.buffer_mb}', '--no-progress'])"
-    consolidate_kb = peak_kb(f"from lightning_zoff.consolidate import main; {call}")
-    import_kb = peak_kb("import lightning_zoff.consolidate")
-    inspect = subprocess.run([sys.executable, "-c", (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r});"
-                              f" from bench_consolidate import model_bytes; print(model_bytes({str(out)!r}))")],
-                             check=True, capture_output=True, text=True)
-    size, count = map(int, inspect.stdout.split())
-    peak, base = consolidate_kb * 1024, import_kb * 1024
+    consolidated = dict(ckpt=str(ckpt), out=str(out), buffer_mb=args.buffer_mb)
+    peak = run_function(consolidate_peak, consolidated, output="capture").check().results[0]
+    base = run_function(import_peak, output="capture").check().results[0]
+    size, count = run_function(model_bytes, dict(file=str(out)), output="capture").check().results[0]
     print(f"model: {size / 2**30:.2f} GiB fp32 ({count} tensors), checkpoint written by {args.ranks} rank(s)")
     print(f"consolidate peak RSS: {peak / 2**30:.2f} GiB = {peak / size:.2f}x the model"
           f" (buffer {args.buffer_mb} MiB; the interpreter and imports alone: {base / 2**30:.2f} GiB)")

@@ -18,13 +18,10 @@ import json
 import platform
 import socket
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_zoff import ops
 

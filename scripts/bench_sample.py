@@ -24,15 +24,14 @@ import os
 import platform
 import resource
 import socket
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
+from harness import report, run_function
+from model_shapes import conf_model
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this checkout's lightning_zoff, installed or not
-GPT_125M = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768, tie_weights=True)  # conf/model
+GPT_125M = conf_model("gpt_125m")
 PHASES = ("same_shape", "growing", "sample")
 
 
@@ -62,8 +61,8 @@ def cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_worker(strategy_name: str, n_layer: int, out: Path) -> None:
-    """One run: train a step, then the phases in every rank; each rank writes `out/rank{r}.json`."""
+def run_worker(strategy_name: str, n_layer: int) -> None:
+    """One run: train a step, then the phases in every rank; each rank reports its own."""
     import lightning.pytorch as pl
     import torch
 
@@ -89,8 +88,7 @@ def run_worker(strategy_name: str, n_layer: int, out: Path) -> None:
             measure("growing", lambda: [module(torch.randint(256, (1, n))) for n in range(1, 41)])
             torch.manual_seed(0)  # every rank the same draws
             measure("sample", lambda: module.sample(b"def ", 60, temperature=0.8, top_k=50))
-            result = {"rank": trainer.global_rank, "memory_gb": memory, "seconds": times}
-            (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+            report({"rank": trainer.global_rank, "memory_gb": memory, "seconds": times}, rank=trainer.global_rank)
 
     torch.set_num_threads(1)  # one per rank on this 2-core box; and GNU OpenMP must not run before the fork
     pl.seed_everything(0)
@@ -103,13 +101,13 @@ def run_worker(strategy_name: str, n_layer: int, out: Path) -> None:
 
 
 def run(name: str, n_layer: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        load_before = os.getloadavg()
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        command = [sys.executable, __file__, "--worker", name, "--n-layer", str(n_layer), "--out", tmp]
-        subprocess.run(command, check=True, env=env)
-        ranks = [json.loads(path.read_text()) for path in sorted(Path(tmp).glob("rank*.json"))]
-    return {"name": name, "load_average_before": load_before, "load_average_after": os.getloadavg(), "ranks": ranks}
+    load_before = os.getloadavg()
+    # this checkout's lightning_zoff, whichever is installed
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    ranks = run_function(run_worker, dict(strategy_name=name, n_layer=n_layer), env=env).check().results
+    return {"name": name, "load_average_before": load_before, "load_average_after": os.getloadavg(),
+            "ranks": list(ranks.values())}
 
 
 def table(runs: list[dict]) -> str:
@@ -132,12 +130,7 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", default=["zoff", "ddp"], choices=["zoff", "ddp"])
     parser.add_argument("--label", default="", help="added to the output file's name (e.g. before, after)")
     parser.add_argument("--n-layer", type=int, default=GPT_125M["n_layer"], help="fewer blocks for a quick check")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        run_worker(args.worker, args.n_layer, Path(args.out))
-        return
     import torch
 
     runs = [run(name, args.n_layer) for name in args.runs]

@@ -21,16 +21,15 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from harness import parse_options
+from model_shapes import MODEL_NAMES, model_shape
 
-from bench import MODELS as ALL_MODELS, parse_options  # (this directory is on sys.path)
-
-MODELS = {name: shape for name, shape in ALL_MODELS.items() if "hf" not in shape}  # the example GPT's shapes
+GPTS = [name for name in MODEL_NAMES if "hf" not in model_shape(name)]  # the example GPT's shapes
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", choices=sorted(MODELS), default="gpt7b")
+    parser.add_argument("--model", choices=GPTS, default="gpt7b")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=8, help="per device")
     parser.add_argument("--devices", type=int, default=1)
@@ -48,26 +47,14 @@ def main() -> None:
     from lightning_zoff import ZoffStrategy
     from lightning_zoff.examples.corpus import CorpusDataModule
     from lightning_zoff.examples.gpt import GPTModule
+    from recorders import StepRecorder
 
-    cfg = MODELS[args.model]
+    cfg = model_shape(args.model)
     options = parse_options(args.option)
     gpu = torch.cuda.is_available()
 
-    class Record(pl.Callback):
-        def __init__(self):
-            self.losses, self.times, self.start = [], [], None
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.losses.append(outputs["loss"].item())  # .item() waits for the step's GPU work
-            self.times.append(time.perf_counter() - self.start)
-            if trainer.global_rank == 0:
-                print(f"step {len(self.losses):3d} loss {self.losses[-1]:.4f} {self.times[-1]:.3f} s", flush=True)
-
     pl.seed_everything(0)
-    record = Record()
+    record = StepRecorder(verbose=True)
     trainer = pl.Trainer(accelerator="gpu" if gpu else "cpu", devices=args.devices, strategy=ZoffStrategy(**options),
                          precision=args.precision or ("bf16-mixed" if gpu else "32-true"), max_steps=args.steps,
                          gradient_clip_val=1.0, callbacks=[record], logger=False, enable_checkpointing=False,

@@ -16,9 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from in_subprocess import call  # (this directory is on sys.path)
+from harness import call
 
 MODEL = dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256, lr=3e-3, weight_decay=0.1)
 BAD_STEP = 5
@@ -33,15 +31,19 @@ def run_mode(mode: str, steps: int, clip: float, accumulate: int) -> dict:
     from lightning_zoff import ZoffStrategy
     from lightning_zoff.examples.corpus import CorpusDataModule
     from lightning_zoff.examples.gpt import GPTModule
+    from recorders import StepRecorder
 
     class Poisoned(GPTModule):
         def training_step(self, batch, batch_idx):
             loss = super().training_step(batch, batch_idx)
             return loss * float("inf") if self.trainer.global_step == BAD_STEP else loss
 
-    class Record(pl.Callback):
+    class Record(StepRecorder):
+        """Each batch's loss, and each optimizer step's outcome: [skipped, clip coefficient, gradient norm]."""
+
         def __init__(self):
-            self.losses, self.outcomes = [], []
+            super().__init__()
+            self.outcomes = []
 
         def on_train_start(self, trainer, pl_module):
             scheduler = trainer.strategy.engine.scheduler  # None without overlap
@@ -49,7 +51,7 @@ def run_mode(mode: str, steps: int, clip: float, accumulate: int) -> dict:
                 scheduler.await_speculation = mode == "overlap_awaited"
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.losses.append(outputs["loss"].item())
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
             last = trainer.strategy.last_step
             if last is not None and len(self.outcomes) < trainer.global_step:
                 self.outcomes.append([last.skipped, last.clip_coef, last.grad_norm])

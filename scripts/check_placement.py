@@ -1,4 +1,4 @@
-"""Optimizer state kept on the GPU (issue 17) against all of it on the host, on this machine's accelerator.
+"""Optimizer state kept on the GPU against all of it on the host, on this machine's accelerator.
 
     python scripts/check_placement.py --steps 12 --out placement_check.json
 
@@ -15,9 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from in_subprocess import call  # (this directory is on sys.path)
+from harness import call
 
 MODEL = dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256, lr=3e-3, weight_decay=0.1)
 MODES = {"none": "none", "half": 0.5, "all": 1.0, "auto": "auto"}
@@ -29,16 +27,10 @@ def run_mode(mode: str, steps: int, accumulate: int) -> dict:
     from lightning_zoff import ZoffStrategy
     from lightning_zoff.examples.corpus import CorpusDataModule
     from lightning_zoff.examples.gpt import GPTModule
-
-    class Record(pl.Callback):
-        def __init__(self) -> None:
-            self.losses: list[float] = []
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.losses.append(outputs["loss"].item())
+    from recorders import StepRecorder
 
     pl.seed_everything(0)
-    record = Record()
+    record = StepRecorder()
     trainer = pl.Trainer(
         accelerator="auto", devices=1, strategy=ZoffStrategy(accelerator_state=MODES[mode]), precision="32-true",
         max_steps=steps, accumulate_grad_batches=accumulate, gradient_clip_val=1.0, callbacks=[record], logger=False,

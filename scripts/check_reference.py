@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from in_subprocess import call  # (this directory is on sys.path)
+from harness import call
 
 MODEL = dict(vocab_size=256, block_size=256, n_layer=6, n_head=8, n_embd=384, lr=1e-3, weight_decay=0.1)
 
@@ -30,18 +27,12 @@ def run_side(side: str, steps: int) -> dict:
     import lightning_zoff  # noqa: F401
     from lightning_zoff.examples.corpus import CorpusDataModule
     from lightning_zoff.examples.gpt import GPTModule
-
-    class Losses(pl.Callback):
-        def __init__(self):
-            self.losses = []
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.losses.append(outputs["loss"].item())
+    from recorders import StepRecorder
 
     pl.seed_everything(0)
     model = GPTModule(**MODEL)
     data = CorpusDataModule(block_size=MODEL["block_size"], batch_size=16, max_bytes=4_000_000)
-    losses = Losses()
+    losses = StepRecorder()
     if side == "reference":
         kwargs = dict(accelerator="cpu", devices=1, strategy=DDPStrategy(), precision="32-true")
     else:

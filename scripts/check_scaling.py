@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from in_subprocess import call  # (this directory is on sys.path)
+from harness import call
 
 MODEL = dict(vocab_size=256, block_size=256, n_layer=6, n_head=8, n_embd=512, lr=1e-3, weight_decay=0.1)
 GLOBAL_BATCH = 16
@@ -31,16 +28,10 @@ def run_side(devices: int, steps: int, precision: str) -> dict:
     import lightning_zoff  # noqa: F401
     from lightning_zoff.examples.corpus import CorpusDataModule
     from lightning_zoff.examples.gpt import GPTModule
-
-    class Record(pl.Callback):
-        def __init__(self):
-            self.losses = []
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.losses.append(outputs["loss"].item())
+    from recorders import StepRecorder
 
     pl.seed_everything(0)
-    record = Record()
+    record = StepRecorder()
     data = CorpusDataModule(block_size=MODEL["block_size"], batch_size=GLOBAL_BATCH // devices, max_bytes=4_000_000)
     trainer = pl.Trainer(accelerator="auto", devices=devices, strategy="zoff", precision=precision, max_steps=steps,
                          gradient_clip_val=1.0, callbacks=[record], logger=False, enable_checkpointing=False,

@@ -28,9 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench import MODELS  # (this directory is on sys.path)
+from harness import run_command
+from model_shapes import MODEL_NAMES, model_shape
 
 BENCH = Path(__file__).resolve().parent / "bench.py"
 MOMENTS = {"zoff": 4, "zoff_bf16_moments": 2}
@@ -93,9 +92,9 @@ def try_size(args: argparse.Namespace, run: str, layers: int) -> dict:
                "--out", str(out)]
         if args.run_timeout_s:
             cmd += ["--run-timeout-s", str(args.run_timeout_s)]
-        subprocess.run(cmd, check=False)
+        run_command(cmd)
         entry = json.loads(out.read_text())["runs"][0] if out.exists() else {"error": "bench.py wrote nothing"}
-    entry.update(layers=layers, params=gpt_params(MODELS[args.model], layers),
+    entry.update(layers=layers, params=gpt_params(model_shape(args.model), layers),
                  outcome=entry.get("outcome", "trained") if "error" in entry else "trained")
     if entry["outcome"] == "trained":
         how = (f"{entry['step_s_median']:.2f} s/step, host tree peak {entry.get('host_tree_peak_gb') or 0:.1f} GB,"
@@ -108,7 +107,7 @@ def try_size(args: argparse.Namespace, run: str, layers: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", choices=[m for m, s in MODELS.items() if "hf" not in s], default="gpt13b")
+    parser.add_argument("--model", choices=[m for m in MODEL_NAMES if "hf" not in model_shape(m)], default="gpt13b")
     parser.add_argument("--runs", nargs="+", default=["zoff", "zoff_bf16_moments"])
     parser.add_argument("--layers", type=int, nargs="+", default=None, help="the sizes DeepSpeed runs try")
     parser.add_argument("--batch", type=int, default=4)
@@ -123,7 +122,7 @@ def main() -> None:
 
     import psutil
 
-    cfg = MODELS[args.model]
+    cfg = model_shape(args.model)
     host = int(psutil.virtual_memory().available - args.process_gb * 1e9)
     gpu = gpu_memory()
     predicted = {run: predict_layers(cfg, args.batch, MOMENTS[run], host, gpu) for run in args.runs if run in MOMENTS}

@@ -2,17 +2,19 @@
 # Device-machine checks, by stage, so one 10-minute call can take several:
 #   OUT=dir bash scripts/gpu_checks.sh env suite reference kernels train bench
 # `acceptance` is tests/gpu: the reference, overlap, scaling (2+ GPUs) and capacity checks with their thresholds.
-# Carry .whl (../shared/tools/device_wheels.sh --with-deepspeed) for the stages that need Hydra or DeepSpeed.
+# Stages are named by what they measure. Carry .whl (../shared/tools/device_wheels.sh --with-deepspeed) for the stages
+# that need Hydra or DeepSpeed, and another source tree as _baseline for `baseline_gpt1b`.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # absolute: a stage may run in another directory
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 ZOFF_CACHE_DIR=/tmp/zoff_cache
+DEPS=""
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
+  DEPS=/tmp/site:
 fi
+export PYTHONPATH=$DEPS$PWD  # the scripts import the lightning_zoff of the tree they run in
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
@@ -35,12 +37,12 @@ for stage in "$@"; do
                 timeout ${BENCH4_TIMEOUT:-400} python3 scripts/bench.py --devices 4 --runs zoff --accumulate 4 --steps 5 --warmup 2 --out "$OUT/bench_4gpu_acc4.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/bench_4gpu_acc4.txt" ;;
     bench_8gpu) timeout ${BENCH8_TIMEOUT:-400} python3 scripts/bench.py --devices 8 --runs zoff deepspeed_zero3_offload --accumulate 1 --steps 5 --warmup 2 --out "$OUT/bench_8gpu_acc1.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/bench_8gpu_acc1.txt"
                 timeout ${BENCH8_TIMEOUT:-400} python3 scripts/bench.py --devices 8 --runs zoff --accumulate 4 --steps 5 --warmup 2 --out "$OUT/bench_8gpu_acc4.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/bench_8gpu_acc4.txt" ;;
-    capacity_8gpu)  # issue 9's largest model on the 8-GPU machine's 560 GB host: 32.5B at 12 B/param is 390 GB
+    capacity_8gpu)  # the largest GPT (gpt30b, 32.3B) on the 8-GPU machine's 560 GB host, with bf16 moments and no overlap
       timeout ${CAPACITY_TIMEOUT:-560} python3 scripts/check_capacity.py --model gpt30b --devices 8 --steps 20 --batch 4 \
           --option "optimizer_state_dtype='bf16'" --option overlap=False --out "$OUT/capacity_gpt30b.json" 2>&1 \
           | grep -v "^INFO" | tail -26 | tee "$OUT/capacity_gpt30b.txt" ;;
     bench_2of4) CUDA_VISIBLE_DEVICES=0,1 timeout ${BENCH_TIMEOUT:-200} taskset -c 0-$(( $(nproc) / 2 - 1 )) python3 scripts/bench.py --devices 2 --runs zoff --accumulate 4 --steps 5 --warmup 2 --out "$OUT/bench_2of4.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/bench_2of4.txt" ;;
-    capacity)  # issue 10 on the 1x H200 box (128 GB host): Qwen3-4B's shape next to DeepSpeed, then the 7B GPT
+    capacity)  # the 1x H200 box (128 GB host): Qwen3-4B's shape next to DeepSpeed, then the 7B GPT, then bf16 moments
       q="python3 scripts/bench.py --model qwen3_4b --accumulate 1 --steps 4 --warmup 1"
       timeout 150 $q --runs zoff_sync --out "$OUT/qwen3_4b_zoff_sync.json" 2>&1 | grep -v "^INFO" | tail -4 | tee "$OUT/qwen3_4b.txt"
       timeout 220 $q --runs deepspeed_zero3_offload --out "$OUT/qwen3_4b_deepspeed.json" 2>&1 | grep -v "^INFO" | tail -4 | tee -a "$OUT/qwen3_4b.txt"
@@ -50,28 +52,27 @@ for stage in "$@"; do
       [ $left -gt 60 ] && timeout $left $q --runs zoff_bf16_moments --out "$OUT/qwen3_4b_zoff_bf16_moments.json" 2>&1 | grep -v "^INFO" | tail -4 | tee -a "$OUT/qwen3_4b.txt"
       left=$(( ${CAPACITY_BUDGET:-560} - SECONDS ))
       [ $left -gt 60 ] && timeout $left python3 scripts/bench.py --runs zoff_bf16_moments zoff --accumulate 1 --steps 5 --warmup 2 --out "$OUT/gpt1b_zoff_bf16_moments.json" 2>&1 | grep -v "^INFO" | tail -4 | tee "$OUT/gpt1b_bf16_moments.txt" ;;
-    torch211)  # the CPU (gloo) tests that lean on FSDP2 internals, under the GPU machine's torch
-      timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_unused_params.py tests/test_overlap.py tests/test_compat.py 2>&1 | tail -4 | tee "$OUT/pytest_torch211.txt" ;;
-    before_after)  # the 1.34B bench with main before this session (carry _before: git archive c2f129e) and now
-      for side in _before .; do (cd $side && timeout 200 python3 scripts/bench.py --runs zoff --accumulate 1 --steps 6 --warmup 2 \
-          --out "$OUT/bench_gpt1b_zoff_$( [ $side = . ] && echo after || echo before ).json" 2>&1 | grep -v "^INFO" | tail -3 | tee -a "$OUT/before_after.txt"); done ;;
+    fsdp2_internals)  # the CPU (gloo) tests that lean on FSDP2 internals, under the GPU machine's torch
+      timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_unused_params.py tests/test_overlap.py tests/test_compat.py 2>&1 | tail -4 | tee "$OUT/fsdp2_internals.txt" ;;
+    baseline_gpt1b)  # the 1.34B GPT's zoff and zoff_host_only in another tree, then in this one, on the same machine
+      # (carry the other tree as _baseline, from `mkdir _baseline && git archive REV | tar -x -C _baseline`)
+      [ -d _baseline/lightning_zoff ] || { echo "baseline_gpt1b: carry another source tree as _baseline"; exit 1; }
+      for side in _baseline .; do
+        label=$( [ $side = . ] && echo this || echo baseline )
+        (cd $side && PYTHONPATH=$DEPS$PWD timeout 280 python3 scripts/bench.py --runs zoff zoff_host_only --accumulate 1 --steps 6 \
+            --warmup 2 --out "$OUT/bench_gpt1b_$label.json" 2>&1 | grep -v "^INFO" | tail -5 | tee -a "$OUT/baseline_gpt1b.txt")
+      done ;;
     placement) timeout 300 python3 scripts/check_placement.py --steps 12 --out "$OUT/placement_check.json" 2>&1 | grep -v "^INFO\|Tip\|available:" | tail -30 | tee "$OUT/placement_check.txt" ;;
-    issue17_7b)  # gpt7b batch 4: zoff (auto placement) vs GPU-only vs all state on the host, one call
-      timeout ${BENCH_TIMEOUT:-560} python3 scripts/bench.py --model gpt7b --batch 4 --accumulate 1 --steps 6 --warmup 2 --runs gpu_only zoff zoff_sync --out "$OUT/issue17_gpt7b.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/issue17_gpt7b.txt" ;;
-    issue17_1b)  # gpt1b batch 8 at accumulate 1 and 4 against DeepSpeed's stronger configurations
-      timeout ${BENCH_TIMEOUT:-560} python3 scripts/bench.py --model gpt1b --batch 8 --accumulate 1 4 --steps 6 --warmup 2 --runs gpu_only zoff deepspeed_zero2_offload deepspeed_zero3_offload_ratio --out "$OUT/issue17_gpt1b.json" 2>&1 | grep -v "^INFO" | tail -16 | tee "$OUT/issue17_gpt1b.txt" ;;
-    issue17_13b)  # gpt13b batch 4: GPU-only cannot fit it
-      timeout ${BENCH_TIMEOUT:-580} python3 scripts/bench.py --model gpt13b --batch 4 --accumulate 1 --steps 20 --warmup 2 --runs zoff deepspeed_zero3_offload_ratio --ratios 0.5 0.6 0.7 0.8 --out "$OUT/issue17_gpt13b.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/issue17_gpt13b.txt" ;;
-    issue17_cap24)  # a 24 GB GPU's budget, gpt7b
-      timeout ${BENCH_TIMEOUT:-560} python3 scripts/bench.py --model gpt7b --batch 1 --accumulate 1 --steps 4 --warmup 1 --gpu-memory-gb 24 --runs zoff deepspeed_zero3_offload deepspeed_zero2_offload --out "$OUT/issue17_gpt7b_24gb.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/issue17_gpt7b_24gb.txt" ;;
-    issue18)  # overlap with the spare pool, all state on the host: gpt7b fp32 moments, qwen3_4b (clipped every step), gpt1b acc 4
-      timeout 300 python3 scripts/bench.py --model gpt7b --batch 4 --accumulate 1 --steps 5 --warmup 2 --runs zoff_host_only zoff_sync --out "$OUT/issue18_gpt7b.json" 2>&1 | grep -v "^INFO" | tail -6 | tee "$OUT/issue18.txt"
-      timeout 150 python3 scripts/bench.py --model qwen3_4b --accumulate 1 --steps 5 --warmup 2 --runs zoff_host_only zoff_sync --out "$OUT/issue18_qwen3_4b.json" 2>&1 | grep -v "^INFO" | tail -6 | tee -a "$OUT/issue18.txt"
-      timeout 150 python3 scripts/bench.py --model gpt1b --accumulate 4 --steps 5 --warmup 2 --runs gpu_only zoff_host_only --out "$OUT/issue18_gpt1b_acc4.json" 2>&1 | grep -v "^INFO" | tail -6 | tee -a "$OUT/issue18.txt" ;;
+    gpt1b_vs_deepspeed)  # gpt1b batch 8 at accumulate 1 and 4 against DeepSpeed's stronger configurations
+      timeout ${BENCH_TIMEOUT:-560} python3 scripts/bench.py --model gpt1b --batch 8 --accumulate 1 4 --steps 6 --warmup 2 --runs gpu_only zoff deepspeed_zero2_offload deepspeed_zero3_offload_ratio --out "$OUT/gpt1b_vs_deepspeed.json" 2>&1 | grep -v "^INFO" | tail -16 | tee "$OUT/gpt1b_vs_deepspeed.txt" ;;
+    host_overlap)  # the overlapped engine against the synchronous one, all state on the host: gpt7b fp32 moments, qwen3_4b (clipped every step), gpt1b acc 4 next to GPU-only
+      timeout 300 python3 scripts/bench.py --model gpt7b --batch 4 --accumulate 1 --steps 5 --warmup 2 --runs zoff_host_only zoff_sync --out "$OUT/host_overlap_gpt7b.json" 2>&1 | grep -v "^INFO" | tail -6 | tee "$OUT/host_overlap.txt"
+      timeout 150 python3 scripts/bench.py --model qwen3_4b --accumulate 1 --steps 5 --warmup 2 --runs zoff_host_only zoff_sync --out "$OUT/host_overlap_qwen3_4b.json" 2>&1 | grep -v "^INFO" | tail -6 | tee -a "$OUT/host_overlap.txt"
+      timeout 150 python3 scripts/bench.py --model gpt1b --accumulate 4 --steps 5 --warmup 2 --runs gpu_only zoff_host_only --out "$OUT/host_overlap_gpt1b_acc4.json" 2>&1 | grep -v "^INFO" | tail -6 | tee -a "$OUT/host_overlap.txt" ;;
     finetune7b)  # a fine-tune of the 7B shape's last 2 blocks: host state for those only
       timeout 240 python3 scripts/check_capacity.py --model gpt7b --train-last 2 --steps 8 --batch 4 \
           --out "$OUT/finetune_gpt7b_last2.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/finetune_gpt7b.txt" ;;
-    mainjob_qwen)  # issue 15: the main job on Qwen3-4B's shape completes; peak host RSS of the whole job
+    mainjob_qwen)  # the main job on Qwen3-4B's shape completes; peak host RSS of the whole job
       timeout 330 python3 scripts/peak_rss.py --out "$OUT/mainjob_qwen3_4b_rss.json" -- python3 scripts/train.py \
           model=hf_qwen3_4b data=synthetic trainer.max_steps=6 hydra.run.dir=$PWD/outputs/run_qwen 2>&1 | grep -v "^INFO" | tail -30 | tee "$OUT/mainjob_qwen3_4b.txt"
       cp outputs/run_qwen/loss.png "$OUT/mainjob_qwen3_4b_loss.png" 2>/dev/null; ls -a outputs/run_qwen outputs/run_qwen/checkpoints; du -sh outputs/run_qwen | tee -a "$OUT/mainjob_qwen3_4b.txt"; rm -rf outputs/run_qwen ;;
@@ -98,6 +99,8 @@ for stage in "$@"; do
     no_regression)  # where the model fits the GPU: zoff next to GPU-only training
       timeout 330 python3 scripts/bench.py --model gpt7b --batch 4 --accumulate 1 --steps 5 --warmup 2 --runs gpu_only zoff --out "$OUT/gpt7b_b4.json" 2>&1 | grep -v "^INFO" | tail -6 | tee "$OUT/no_regression.txt"
       timeout 200 python3 scripts/bench.py --model gpt1b --batch 8 --accumulate 1 --steps 6 --warmup 2 --runs gpu_only zoff --out "$OUT/gpt1b_b8.json" 2>&1 | grep -v "^INFO" | tail -6 | tee -a "$OUT/no_regression.txt" ;;
-    bench_more) timeout ${BENCH_TIMEOUT:-400} python3 scripts/bench.py --runs fsdp2_cpu_offload zoff zoff_sync --accumulate 1 4 --steps 5 --warmup 2 --out "$OUT/bench_more.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/bench_more.txt" ;;
+    fsdp2_cpu_offload)  # FSDP2's own CPU offload next to zoff and the synchronous engine, gpt1b at accumulate 1 and 4
+      timeout ${BENCH_TIMEOUT:-400} python3 scripts/bench.py --runs fsdp2_cpu_offload zoff zoff_sync --accumulate 1 4 --steps 5 --warmup 2 --out "$OUT/fsdp2_cpu_offload.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/fsdp2_cpu_offload.txt" ;;
+    *) echo "unknown stage $stage: see the stages of scripts/gpu_checks.sh"; exit 2 ;;
   esac
 done

@@ -20,9 +20,6 @@ import resource
 import sys
 from pathlib import Path
 
-# Run from a checkout without installing the package; resolved from this file, so any cwd works.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import hydra
 import lightning.pytorch as pl
 import torch

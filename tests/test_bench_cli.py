@@ -1,6 +1,8 @@
 """scripts/bench.py without a GPU: the plot from made-up runs, DeepSpeed's configurations as dicts, the ratio search
 against made-up outcomes, the failure lines, and one tiny CPU run through the whole command line."""
 
+import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -8,12 +10,14 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
+import bench
+import bench_deepspeed
+import bench_plot
+import bench_runs
+import harness
+import model_shapes
 
-import bench  # noqa: E402
-import bench_deepspeed  # noqa: E402
-import bench_plot  # noqa: E402
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -126,26 +130,26 @@ def test_failure_lines():
         "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139 GiB",
         "During handling of the above exception, another exception occurred:",
         "RuntimeError: NCCL communicator was aborted"])
-    line = bench.failure_line(traceback, 1)
+    line = harness.failure_line(traceback, 1)
     assert line.startswith("torch.OutOfMemoryError: CUDA out of memory")
-    assert bench.outcome_of(line) == "gpu_oom"
-    line = bench.failure_line("warning: slow\nAssertionError: Hybrid Optimizer Only Supports DeepSpeedCPUAdam\n", 1)
+    assert harness.outcome_of(line) == "gpu_oom"
+    line = harness.failure_line("warning: slow\nAssertionError: Hybrid Optimizer Only Supports DeepSpeedCPUAdam\n", 1)
     assert line == "AssertionError: Hybrid Optimizer Only Supports DeepSpeedCPUAdam"
-    assert bench.outcome_of(line) == "error"
-    line = bench.failure_line("loading\n", -9)
+    assert harness.outcome_of(line) == "error"
+    line = harness.failure_line("loading\n", -9)
     assert line.startswith("killed by SIGKILL")
-    assert bench.outcome_of(line) == "host_oom"
-    assert bench.outcome_of(bench.failure_line("RuntimeError: [enforce fail] DefaultCPUAllocator: can't allocate", 1)) \
-        == "host_oom"
-    assert bench.failure_line("", 3) == "exit code 3, nothing on stderr"
+    assert harness.outcome_of(line) == "host_oom"
+    line = harness.failure_line("RuntimeError: [enforce fail] DefaultCPUAllocator: can't allocate", 1)
+    assert harness.outcome_of(line) == "host_oom"
+    assert harness.failure_line("", 3) == "exit code 3, nothing on stderr"
 
 
 def test_exactness():
-    assert bench.inexact_because("zoff", {}) is None
-    assert bench.inexact_because("zoff_bf16_moments", {}) == "moments stored in bf16"
-    assert bench.inexact_because("zoff", {"optimizer_state_dtype": "bf16"}) == "moments stored in bf16"
-    assert bench.inexact_because("deepspeed_zero2_zenflow", {})
-    assert all(bench.inexact_because(name, {}) is None for name in ("gpu_only", "fsdp2_cpu_offload",
+    assert bench_runs.inexact_because("zoff", {}) is None
+    assert bench_runs.inexact_because("zoff_bf16_moments", {}) == "moments stored in bf16"
+    assert bench_runs.inexact_because("zoff", {"optimizer_state_dtype": "bf16"}) == "moments stored in bf16"
+    assert bench_runs.inexact_because("deepspeed_zero2_zenflow", {})
+    assert all(bench_runs.inexact_because(name, {}) is None for name in ("gpu_only", "fsdp2_cpu_offload",
                "deepspeed_zero3_offload", "deepspeed_zero2_offload", "deepspeed_zero3_offload_ratio"))
 
 
@@ -161,10 +165,13 @@ def test_compare_against_the_fastest_exact_deepspeed():
     assert runs[-1]["vs_gpu_only"] is None
 
 
-def test_new_model_and_default_runs():
-    assert bench.MODELS["gpt13b"] == dict(vocab_size=32000, block_size=1024, n_layer=40, n_head=40, n_embd=5120,
-                                          bias=False)
-    assert {"fsdp2_cpu_offload", "gpu_only", "zoff", *bench_deepspeed.DEEPSPEED_RUNS} <= set(bench.DEFAULT_RUNS)
+def test_models_and_default_runs():
+    assert model_shapes.model_shape("gpt13b") == dict(vocab_size=32000, block_size=1024, n_layer=40, n_head=40,
+                                                 n_embd=5120, dropout=0.0, bias=False, tie_weights=False)
+    assert {"fsdp2_cpu_offload", "gpu_only", "zoff", *bench_deepspeed.DEEPSPEED_RUNS} <= set(bench_runs.DEFAULT_RUNS)
+    assert bench_runs.model_spec("gpt13b", layers=20)["n_layer"] == 20
+    with pytest.raises(SystemExit, match="qwen3_4b is a Hugging Face preset"):
+        bench_runs.model_spec("qwen3_4b", layers=20)
 
 
 def test_cpu_run_records_model_and_gpu_memory(tmp_path):
@@ -184,7 +191,11 @@ def test_cpu_run_records_model_and_gpu_memory(tmp_path):
     assert run["forward_s"] > 0
     assert run["backward_s"] > 0
     assert run["step_s_median"] > 0
-    assert run["host_tree_peak_gb"] is None or run["host_tree_peak_gb"] > 0
+    assert run["host_tree_peak_gb"] > 0.1  # the child's tree, sampled while it ran: Python, torch and Lightning
+    assert run["wall_s"] > 0
+    schema = {f.name for f in dataclasses.fields(harness.BenchRun) if f.name != "ratio"}
+    schema |= {f.name for f in dataclasses.fields(harness.StepMeasurement)} - {"inexact_because", "deepspeed_config"}
+    assert schema <= set(run)
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -193,7 +204,7 @@ def test_cpu_run_records_model_and_gpu_memory(tmp_path):
 
 
 def test_unsupported_run_is_an_entry_without_a_process():
-    args = bench.argparse.Namespace(model="gpt1b", batch=8, gpu_memory_gb=None, zoff_option=[], layers=None,
+    args = argparse.Namespace(model="gpt1b", batch=8, gpu_memory_gb=None, zoff_option=[], layers=None,
                                     activation_checkpointing=False)
     entry = bench.run_child(args, "deepspeed_zero2_zenflow", accumulate=4, steps=8, warmup=2)
     assert entry["outcome"] == "unsupported"

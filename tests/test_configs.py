@@ -81,7 +81,7 @@ def test_ddp_and_deepspeed_strategies():
 
 
 MODEL_SIZES = [("gpt_125m", 123e6, 126e6), ("gpt_1b", 1.33e9, 1.35e9), ("gpt_7b", 6.6e9, 6.8e9),
-               ("hf_qwen3_4b", 4.02e9, 4.025e9)]
+               ("gpt_13b", 12.9e9, 12.95e9), ("gpt_30b", 32.3e9, 32.35e9), ("hf_qwen3_4b", 4.02e9, 4.025e9)]
 
 
 def test_every_model_option_is_tested():
@@ -117,7 +117,7 @@ def test_the_tiny_models_build_and_the_large_models_have_their_sizes():
 
 def test_the_largest_models_are_built_on_the_meta_device(train_script):
     on_meta = {name for group, name in OPTIONS if group == "model" and compose_train(f"model={name}").empty_init}
-    assert on_meta == {"gpt_7b", "hf_qwen3_4b"}
+    assert on_meta == {"gpt_7b", "gpt_13b", "gpt_30b", "hf_qwen3_4b"}
     assert not compose_train("model=gpt_7b", "empty_init=false").empty_init  # the command line still wins
     train_script.check_empty_init(ZoffStrategy(), True)
     train_script.check_empty_init(DDPStrategy(), False)

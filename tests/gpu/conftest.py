@@ -1,20 +1,18 @@
 """The GPU acceptance checks: `python -m pytest tests/gpu` on the GPU machine is the acceptance run.
 
-Each test runs the training jobs of one scripts/check_*.py in fresh processes (scripts/in_subprocess.py) and asserts
-on its summary. Without CUDA every test here is skipped at collection, so CI's `pytest tests` passes over them.
+Each test runs the training jobs of one scripts/check_*.py in fresh processes (scripts/harness.py) and asserts on
+its summary. Without CUDA every test here is skipped at collection, so CI's `pytest tests` passes over them.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1] / "scripts"))
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from in_subprocess import run
+from harness import run_command
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "check_capacity.py"
 HOST_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -22,9 +22,9 @@ HOST_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 @pytest.mark.skipif(HOST_BYTES < 120e9, reason="needs a host of 128 GB or more (the 7B model's state is 67 GB)")
 def test_gpt7b_trains_on_10_bytes_per_parameter(tmp_path):
     out = tmp_path / "capacity.json"
-    run([sys.executable, str(SCRIPT), "--model", "gpt7b", "--steps", "20", "--batch", "4",
-         "--option", "optimizer_state_dtype='bf16'", "--option", "overlap=False",
-         "--option", "accelerator_state='none'", "--out", str(out)])
+    run_command([sys.executable, str(SCRIPT), "--model", "gpt7b", "--steps", "20", "--batch", "4",
+                 "--option", "optimizer_state_dtype='bf16'", "--option", "overlap=False",
+                 "--option", "accelerator_state='none'", "--out", str(out)], output="echo").check()
     result = json.loads(out.read_text())
     assert result["params"] == 6_709_055_488
     assert result["steps"] == 20

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from in_subprocess import call
+from harness import call
 from lightning_zoff.rank_files import RankFiles, Rows, Staging, write_rank_file
 
 ROOT = Path(__file__).resolve().parents[2]

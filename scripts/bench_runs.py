@@ -1,0 +1,226 @@
+"""The runs scripts/bench.py measures: how each one is built (`build_run`) and measured (`run_one`, in a process of its
+own through harness.run_function). The same model and AdamW hyperparameters everywhere."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import resource
+import statistics
+import sys
+from typing import Any
+
+from bench_deepspeed import DEEPSPEED_RUNS, ZERO_STAGE
+from harness import BenchRun, StepMeasurement, parse_options
+from model_shapes import model_shape
+
+# zoff variants: where the optimizer state lives, the synchronous engine, where the sum of an accumulation window
+# lives, the kernels' threads, bf16 moments
+ZOFF_VARIANTS: dict[str, dict[str, Any]] = {
+    "zoff": {},  # accelerator_state="auto": as much optimizer state on the GPU as fits after the first step
+    "zoff_host_only": dict(accelerator_state="none"),  # all optimizer state on the host
+    "zoff_sync": dict(overlap=False, accelerator_state="none"),
+    "zoff_half_on_gpu": dict(accelerator_state=0.5),
+    "zoff_16_threads": dict(cpu_threads=16),  # every core to the kernels, none kept for the training thread
+    "zoff_accum_host": dict(grad_accum_on="host"),
+    "zoff_accum_gpu": dict(grad_accum_on="accelerator"),
+    "zoff_accum_gpu_retained": dict(grad_accum_on="accelerator", retain_gpu_grad_partition_until_step=True),
+    "zoff_bf16_moments": dict(optimizer_state_dtype="bf16"),  # 20 B/param of host traffic instead of 28
+    # the 7B-on-128-GB configuration, all on the host
+    "zoff_sync_bf16_moments": dict(overlap=False, optimizer_state_dtype="bf16", accelerator_state="none"),
+}
+RUNS = ("gpu_only", *DEEPSPEED_RUNS, "fsdp2_cpu_offload", *ZOFF_VARIANTS, "zoff_no_offload")
+DEFAULT_RUNS = ("gpu_only", "zoff", *DEEPSPEED_RUNS, "fsdp2_cpu_offload")
+ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def is_zoff(name: str) -> bool:
+    return name in ZOFF_VARIANTS or name == "zoff_no_offload"
+
+
+def inexact_because(name: str, zoff_options: dict) -> str | None:
+    """Why run `name` does not compute AdamW's update of every parameter at every step in fp32 state, or None."""
+    if name == "deepspeed_zero2_zenflow":
+        return "ZenFlow updates the top gradient columns each step, the rest every update_interval steps"
+    if is_zoff(name) and {**ZOFF_VARIANTS.get(name, {}), **zoff_options}.get("optimizer_state_dtype") == "bf16":
+        return "moments stored in bf16"
+    return None
+
+
+def model_spec(model_name: str, layers: int | None = None) -> dict:
+    """The model's shape, with `layers` blocks instead of its own if given (GPTs only)."""
+    spec = model_shape(model_name)
+    if layers is not None:
+        if "hf" in spec:
+            raise SystemExit(f"--layers: {model_name} is a Hugging Face preset; choose a GPT shape")
+        spec["n_layer"] = layers
+    return spec
+
+
+def bench_run(name: str, model_name: str, accumulate: int, batch: int, zoff_option: list[str],
+              gpu_memory_gb: float | None, layers: int | None, checkpointing: bool,
+              ratio: float | None = None) -> BenchRun:
+    exact = inexact_because(name, parse_options(zoff_option)) is None
+    return BenchRun(name=name, model=model_name, layers=model_spec(model_name, layers).get("n_layer"),
+                    activation_checkpointing=checkpointing, accumulate=accumulate, batch=batch,
+                    gpu_memory_gb=gpu_memory_gb, exact=exact, ratio=ratio)
+
+
+def build_run(name: str, model_name: str, zoff_options: dict, accumulate: int = 1, ratio: float | None = None,
+              layers: int | None = None, checkpointing: bool = False):
+    """(module factory taking the Trainer, strategy, precision) of one run: the same model and AdamW
+    hyperparameters (lr 1e-4, betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on matrices) everywhere. With
+    `checkpointing`, zoff recomputes each block's activations in backward (its activation_checkpointing_policy); the
+    other runs are built as they are (their limit at this size is host memory, which activations do not touch)."""
+    import torch
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    spec = model_spec(model_name, layers)
+    if "hf" in spec:
+        from lightning_zoff.examples.hf import HFCausalLM as Family
+
+        kwargs = dict(model=spec["hf"])
+    else:
+        from lightning_zoff.examples.gpt import GPTModule as Family
+
+        kwargs = spec
+
+    class DeepSpeedZeRO3(Family):
+        def configure_model(self):
+            # built again here, under DeepSpeed's zero.Init: each parameter is partitioned as it is created
+            if any(p.is_meta for p in self.model.parameters()):
+                self.model = type(self.model)(self.model.config)
+
+    class FSDP2Offload(Family):
+        def configure_model(self):
+            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+            from lightning_zoff.sharding import repeated_blocks
+
+            mesh = self.device_mesh["data_parallel"]
+            policy = dict(mesh=mesh, offload_policy=CPUOffloadPolicy(),
+                          mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+            for block in repeated_blocks(self.model):
+                fully_shard(block, **policy)
+            fully_shard(self.model, **policy)
+
+    if name in DEEPSPEED_RUNS:
+        import bench_deepspeed
+
+        strategy = bench_deepspeed.build_strategy(name, ADAMW, accumulate, ratio)
+        optimizer = bench_deepspeed.optimizer_factory(name, ADAMW)
+        if ZERO_STAGE[name] == 2:  # ZeRO-2 keeps the whole 16-bit model on every GPU: built as usual
+            return lambda trainer: Family(**kwargs, optimizer=optimizer), strategy, "bf16-mixed"
+
+        def build_for_deepspeed(trainer):
+            with torch.device("meta"):  # shapes only: configure_model builds the model for real
+                return DeepSpeedZeRO3(**kwargs, optimizer=optimizer)
+
+        return build_for_deepspeed, strategy, "bf16-mixed"
+    if name == "fsdp2_cpu_offload":
+        # FSDP2 casts to bf16 itself (MixedPrecisionPolicy); "32-true" keeps Lightning's plugin out of the way
+        optimizer = functools.partial(torch.optim.AdamW, **ADAMW, fused=True)
+        return lambda trainer: FSDP2Offload(**kwargs, optimizer=optimizer), ModelParallelStrategy(), "32-true"
+    if is_zoff(name):
+        from lightning_zoff import ZoffStrategy
+
+        options = {**ZOFF_VARIANTS.get(name, {}), **zoff_options}
+        if checkpointing:
+            if "hf" in spec:
+                raise SystemExit("--activation-checkpointing: GPT shapes only")
+            from lightning_zoff.examples.gpt import Block
+
+            options["activation_checkpointing_policy"] = {Block}
+        strategy = ZoffStrategy(**options, offload=name != "zoff_no_offload")
+
+        def build_on_meta(trainer):
+            with trainer.init_module(empty_init=True):  # each rank initialises only its own units
+                return Family(**kwargs, **ADAMW)
+
+        return build_on_meta, strategy, "bf16-mixed"
+    # gpu_only uses torch's default (foreach) AdamW on the GPU: Lightning refuses clipping with the fused one
+    return lambda trainer: Family(**kwargs, **ADAMW), "auto", "bf16-mixed"
+
+
+def cap_gpu_memory(gpu_memory_gb: float | None) -> None:
+    """Cap torch's allocator on this rank's GPU at `gpu_memory_gb` GiB, as on a GPU that small."""
+    import torch
+
+    if gpu_memory_gb is None:
+        return
+    if not torch.cuda.is_available():
+        print(f"--gpu-memory-gb {gpu_memory_gb}: no GPU here, nothing to cap", file=sys.stderr)
+        return
+    device = int(os.environ.get("LOCAL_RANK", "0"))  # Lightning's ranks re-run this command line with it set
+    total = torch.cuda.get_device_properties(device).total_memory
+    if gpu_memory_gb * 2**30 > total:
+        raise SystemExit(f"--gpu-memory-gb {gpu_memory_gb}: GPU {device} has only {total / 2**30:.1f} GiB")
+    torch.cuda.set_per_process_memory_fraction(gpu_memory_gb * 2**30 / total, device)
+
+
+def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int, batch: int, devices: int,
+            zoff_option: list[str], ratio: float | None = None, gpu_memory_gb: float | None = None,
+            layers: int | None = None, checkpointing: bool = False) -> dict:
+    """Train run `name` for `warmup` + `steps` optimizer steps and measure it: this rank's entry of bench.py's JSON."""
+    import lightning.pytorch as pl
+    import torch
+
+    import lightning_zoff  # noqa: F401
+    from lightning_zoff.examples.corpus import SyntheticDataModule
+    from recorders import WindowTimer
+
+    cap_gpu_memory(gpu_memory_gb)
+    zoff_options = parse_options(zoff_option)
+    cfg = model_spec(model_name, layers)
+    if "hf" in cfg:
+        from lightning_zoff.examples.hf import hf_config
+
+        cfg = {**cfg, "vocab_size": hf_config(cfg["hf"]).vocab_size}
+    pl.seed_everything(0)
+    build_module, strategy, precision = build_run(name, model_name, zoff_options, accumulate, ratio, layers,
+                                                  checkpointing)
+    data = SyntheticDataModule(vocab_size=cfg["vocab_size"], block_size=cfg["block_size"], batch_size=batch,
+                               num_samples=devices * (batch * accumulate * (steps + warmup) + batch))
+    # DeepSpeed counts every micro-batch as an optimizer step (Lightning calls its step after each)
+    steps_per_window = accumulate if getattr(strategy, "handles_gradient_accumulation", False) else 1
+    timer = WindowTimer(accumulate)
+    trainer = pl.Trainer(accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=devices, strategy=strategy,
+                         precision=precision,
+                         max_steps=(steps + warmup) * steps_per_window, accumulate_grad_batches=accumulate,
+                         gradient_clip_val=1.0,
+                         callbacks=[timer], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0)
+    module = build_module(trainer)
+    params = sum(p.numel() for p in module.parameters())
+    trainer.fit(module, datamodule=data)
+    measured = slice(warmup, None)
+    step_s = statistics.median(timer.steps[measured])
+    # zoff's phase times arrive a step late on CUDA (StepTimer): a step may lack them
+    zoff = {key: statistics.median(t[key] for t in timer.zoff[measured] if key in t) for key in timer.zoff[-1]}
+    # zoff's own count includes the forwards that waited for overlapped updates; the callback's brackets only
+    # the step call, which is the whole update for the others
+    exposed = zoff.get("zoff/exposed_optimizer_s", statistics.median(timer.optimizer[measured]))
+    if "zoff/forward_s" in zoff and "zoff/backward_s" in zoff:  # those waits moved out of the forward
+        forward, backward, phase_source = zoff["zoff/forward_s"], zoff["zoff/backward_s"], "zoff telemetry"
+    else:
+        forward, backward = statistics.median(timer.forward[measured]), statistics.median(timer.backward[measured])
+        phase_source = "callback"
+    run = bench_run(name, model_name, accumulate, batch, zoff_option, gpu_memory_gb, layers, checkpointing, ratio)
+    deepspeed_config = None
+    if name in DEEPSPEED_RUNS:  # what DeepSpeed got, Lightning's additions included
+        deepspeed_config = json.loads(json.dumps(trainer.strategy.config, default=str))
+    measurement = StepMeasurement(
+        step_s_median=step_s, step_s_mean=statistics.fmean(timer.steps[measured]), devices=devices,
+        rank=trainer.global_rank,
+        tokens_per_s=devices * batch * accumulate * cfg["block_size"] / step_s,  # all ranks together
+        forward_s=forward, backward_s=backward, exposed_optimizer_s=exposed, phase_source=phase_source,
+        telemetry_median=zoff,
+        gpu_gb_after_micro_backward=statistics.median(timer.after_backward) if timer.after_backward else None,
+        window_peak_gpu_gb=statistics.median(timer.window_peak[measured]) if timer.window_peak else None,
+        peak_gpu_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0,
+        host_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+        params=params, steps=timer.steps, forward=timer.forward, backward=timer.backward, zoff_options=zoff_options,
+        memory=getattr(trainer.strategy, "memory_report", None), inexact_because=inexact_because(name, zoff_options),
+        deepspeed_config=deepspeed_config)
+    return run.entry(**measurement.fields())

@@ -1,0 +1,379 @@
+"""What the scripts share: child processes and their results, the resident memory of a process tree, how a failed run
+ended, and the schema of scripts/bench.py's results.
+
+- `run_command` runs a command and `run_function` a top-level function of a file (a script, a test module) in a fresh
+  Python process; Lightning's launchers re-run that command line for the other ranks. Either samples the resident
+  memory of the whole process tree, kills the tree at a timeout, and returns a `ChildRun`. A child hands back what it
+  measured with `report(result)` (what `run_function`'s function returns is reported for it): each rank's result is
+  pickled into the directory the parent names in $ZOFF_HARNESS_RESULTS and comes back in `ChildRun.results`, by rank.
+  `call(fn, **kwargs)` is the short form: what `fn` returned on each rank, or an exception with the output's tail.
+- `RssSampler`: the peak resident memory of a process, or of it and all its descendants, sampled by a thread.
+- `failure_line` and `outcome_of`: a failed run's cause in one line, and in one word.
+- `parse_options`: ZoffStrategy options from `key=value` strings (the models by name: model_shapes.py).
+- `BenchRun`, `StepMeasurement`, `RunFailure`: what each entry of scripts/bench.py's JSON holds.
+
+No torch here (psutil and the standard library): a parent that measures its children's memory stays small, and Linux
+carries a process's peak RSS into the children it forks. The Lightning callbacks that record steps are in
+recorders.py. The scripts import these modules as their neighbours (`from harness import call`): Python puts a
+script's own directory first on sys.path; the tests get scripts/ from pytest's `pythonpath`. lightning_zoff comes
+from the environment: the checkout installed (`pip install -e .`), or on PYTHONPATH as scripts/gpu_checks.sh sets it.
+
+    python scripts/harness.py FILE FUNCTION KWARGS_JSON    # the child of run_function: FUNCTION(**KWARGS) of FILE
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import os
+import pickle
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Literal
+
+import psutil
+
+RESULTS_ENV = "ZOFF_HARNESS_RESULTS"
+
+# -- options -------------------------------------------------------------------------------------------------------
+
+
+def parse_options(pairs: list[str]) -> dict[str, Any]:
+    """`key=value` strings into ZoffStrategy keyword arguments; values are Python literals (False, 8) or strings."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--zoff-option {pair!r}: expected key=value, for example overlap=False")
+        try:
+            options[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            options[key] = value
+    return options
+
+
+# -- resident memory -----------------------------------------------------------------------------------------------
+
+
+class RssSampler:
+    """The resident memory of process `pid` (default: this one) and, with `tree`, of all its descendants, summed, read
+    by a thread every `interval_s` while the block runs: `before` (at entry), `peak`, `after` (at exit) in bytes, each
+    process's own peak in `peak_by_pid`, and the block's `seconds`. Pinned and shared memory count in every process
+    that maps it; a process that has ended counts 0."""
+
+    def __init__(self, pid: int | None = None, interval_s: float = 0.5, tree: bool = True) -> None:
+        self.pid, self.interval_s, self.tree = os.getpid() if pid is None else pid, interval_s, tree
+        self.before = self.peak = self.after = 0
+        self.peak_by_pid: dict[int, int] = {}
+        self.seconds = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample_until_stopped, name="harness-rss", daemon=True)
+        self._started = 0.0
+
+    def sample(self) -> int:
+        """The memory now, summed over the process (and its tree)."""
+        try:
+            root = psutil.Process(self.pid)
+            members = [root, *root.children(recursive=True)] if self.tree else [root]
+        except psutil.Error:
+            return 0
+        total = 0
+        for member in members:
+            try:
+                rss = member.memory_info().rss
+            except psutil.Error:
+                continue
+            total += rss
+            self.peak_by_pid[member.pid] = max(self.peak_by_pid.get(member.pid, 0), rss)
+        self.peak = max(self.peak, total)
+        return total
+
+    def _sample_until_stopped(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def __enter__(self) -> RssSampler:
+        self._started = time.perf_counter()
+        self.before = self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self._started
+        self._stop.set()
+        self._thread.join()
+        self.after = self.sample()
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL process `pid` and all its descendants, the descendants first."""
+    try:
+        root = psutil.Process(pid)
+        members = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return
+    for member in reversed(members):
+        with contextlib.suppress(psutil.Error):
+            member.kill()
+
+
+# -- how a run failed ----------------------------------------------------------------------------------------------
+
+# the line of a traceback that names the exception: "torch.OutOfMemoryError: CUDA out of memory. ...",
+# "RuntimeError: ...", "AssertionError"
+EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Exit|Interrupt)\b(:|$)")
+
+
+def failure_line(stderr: str, returncode: int) -> str:
+    """The last meaningful line of a failed run: its out-of-memory message (the cause, whatever failed after it), else
+    its last exception line, else how it ended."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    line = next((line for line in reversed(lines) if "CUDA out of memory" in line), None)
+    line = line or next((line for line in reversed(lines) if EXCEPTION_LINE.match(line)), None)
+    if line is None and returncode < 0:
+        line = f"killed by {signal.Signals(-returncode).name}"
+        if -returncode == signal.SIGKILL:
+            line += " (the kernel's OOM killer? host memory)"
+    if line is None:
+        line = lines[-1] if lines else f"exit code {returncode}, nothing on stderr"
+    return line[:600]
+
+
+def outcome_of(error: str) -> str:
+    """"gpu_oom", "host_oom", "timeout" or "error" for a failure_line."""
+    if "CUDA out of memory" in error:
+        return "gpu_oom"
+    if "DefaultCPUAllocator" in error or "can't allocate memory" in error or "SIGKILL" in error:
+        return "host_oom"
+    if error.startswith("timed out"):
+        return "timeout"
+    return "error"
+
+
+# -- child processes -----------------------------------------------------------------------------------------------
+
+# "inherit": the child writes to this process's stdout and stderr; "echo": its stdout and stderr, merged, are copied
+# there line by line and the last lines kept; "capture": both kept whole, apart, and not shown
+Output = Literal["inherit", "echo", "capture"]
+
+
+class ChildFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class ChildRun:
+    """How a child process ended, what its tree held at most and what its ranks reported."""
+
+    command: list[str]
+    output: Output
+    returncode: int
+    timeout_s: float | None
+    timed_out: bool  # killed, with its whole tree, after timeout_s
+    wall_s: float
+    peak_tree_rss: int  # bytes, the tree's sum; 0 if it ended before the first sample
+    peak_rss_by_pid: dict[int, int]
+    results: dict[int, Any]  # what each rank reported, by rank
+    stdout: str  # "capture": all of it; "echo": the last lines of stdout and stderr; "inherit": ""
+    stderr: str  # "capture" only
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out
+
+    def failure(self) -> str:
+        """The cause of a failure in one line (see failure_line)."""
+        if self.timed_out:
+            return f"timed out after {self.timeout_s} s"
+        return failure_line(self.stderr if self.output == "capture" else self.stdout, self.returncode)
+
+    def check(self) -> ChildRun:
+        """This run, or ChildFailed with the end of its output if it failed."""
+        if not self.ok:
+            how = f"timed out after {self.timeout_s} s" if self.timed_out else f"exited with {self.returncode}"
+            raise ChildFailed(f"{shlex.join(self.command)} {how}:\n{self.stdout[-6000:]}{self.stderr[-6000:]}")
+        return self
+
+
+def run_command(command: list[str], *, output: Output = "inherit", timeout_s: float | None = None,
+                env: dict[str, str] | None = None, cwd: str | Path | None = None,
+                interval_s: float = 0.5) -> ChildRun:
+    """Run `command` to its end, sampling its tree's memory every `interval_s`; past `timeout_s` the tree is killed.
+    With output="echo" it returns once every process holding the output pipe has exited (a run's other ranks are
+    children of the first and share it)."""
+    env = {**(os.environ if env is None else env)}
+    tail: collections.deque[str] = collections.deque(maxlen=60)
+    with tempfile.TemporaryDirectory(prefix="harness_") as results, contextlib.ExitStack() as files:
+        env[RESULTS_ENV] = results
+        streams: dict[str, Any] = {}
+        if output == "echo":
+            env.setdefault("PYTHONUNBUFFERED", "1")  # progress lines as they come
+            streams = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        elif output == "capture":
+            streams = dict(stdout=files.enter_context(tempfile.TemporaryFile("w+")),
+                           stderr=files.enter_context(tempfile.TemporaryFile("w+")))
+        started, killed = time.perf_counter(), threading.Event()
+        proc = subprocess.Popen(command, env=env, cwd=cwd, text=True, errors="replace", **streams)
+
+        def kill() -> None:
+            killed.set()
+            kill_tree(proc.pid)
+
+        timer = threading.Timer(timeout_s, kill) if timeout_s is not None else None
+        with RssSampler(proc.pid, interval_s) as rss:
+            if timer is not None:
+                timer.start()
+            if output == "echo":
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    sys.stdout.write(line)
+                    tail.append(line)
+            proc.wait()
+            if timer is not None:
+                timer.cancel()
+        wall_s = time.perf_counter() - started
+        stdout, stderr = "".join(tail), ""
+        if output == "capture":
+            stdout, stderr = _read(streams["stdout"]), _read(streams["stderr"])
+        reported = {}
+        for path in Path(results).glob("rank*.pkl"):
+            with path.open("rb") as file:
+                reported[int(path.stem.removeprefix("rank"))] = pickle.load(file)
+    return ChildRun(command=list(command), output=output, returncode=proc.returncode, timeout_s=timeout_s,
+                    timed_out=killed.is_set(), wall_s=wall_s, peak_tree_rss=rss.peak, peak_rss_by_pid=rss.peak_by_pid,
+                    results=dict(sorted(reported.items())), stdout=stdout, stderr=stderr)
+
+
+def _read(file: IO[str]) -> str:
+    file.seek(0)
+    return file.read()
+
+
+def run_function(fn: Callable[..., Any], kwargs: dict[str, Any] | None = None, **options: Any) -> ChildRun:
+    """`fn(**kwargs)` in a fresh process (`run_command`'s `options`): `fn` is a top-level function of a file, `kwargs`
+    JSON values. What it returns on a rank, unless None, is that rank's result; a function that returns None reports
+    for itself (`report`), from a rank it forked for instance."""
+    file = Path(sys.modules[fn.__module__].__file__ or "").resolve()
+    command = [sys.executable, str(Path(__file__).resolve()), str(file), fn.__name__, json.dumps(kwargs or {})]
+    return run_command(command, **options)
+
+
+def call(fn: Callable[..., Any], **kwargs: Any) -> list[Any]:
+    """What `fn(**kwargs)` returned in a fresh process, on each rank in rank order; its output echoed. Raises
+    ChildFailed with the output's last lines if the process failed."""
+    return list(run_function(fn, kwargs, output="echo").check().results.values())
+
+
+def report(result: Any, rank: int | None = None) -> None:
+    """Hand `result` (anything pickle takes: dicts, tensors) to the parent as rank `rank`'s; by default LOCAL_RANK's,
+    which Lightning's launchers set in every rank of a run of several devices (one device runs without it)."""
+    directory = os.environ.get(RESULTS_ENV)
+    if directory is None:
+        raise RuntimeError(f"report() needs ${RESULTS_ENV}: run this through harness.run_command or run_function")
+    rank = int(os.environ.get("LOCAL_RANK", "0")) if rank is None else rank
+    path = Path(directory) / f"rank{rank}.pkl"
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    with partial.open("wb") as file:
+        pickle.dump(result, file)
+    partial.replace(path)  # whole or not at all
+
+
+def _serve(file: str, function: str, kwargs: str) -> None:
+    """The child of run_function: imports `file` under its own name (so what it pickles unpickles in the parent) and
+    reports what `function` returns."""
+    spec = importlib.util.spec_from_file_location(Path(file).stem, file)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{file} is no Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    result = getattr(module, function)(**json.loads(kwargs))
+    if result is not None:
+        report(result)
+
+
+# -- scripts/bench.py's results ------------------------------------------------------------------------------------
+
+
+def _fields(record: Any, optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A dataclass's fields as JSON keys, those named in `optional` only where set."""
+    fields = dataclasses.asdict(record)
+    return {key: value for key, value in fields.items() if key not in optional or value is not None}
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    """One run of scripts/bench.py: the keys every entry of its JSON starts with, whether it trained or not."""
+
+    name: str
+    model: str
+    layers: int | None  # the GPT's blocks; None for a Hugging Face preset
+    activation_checkpointing: bool
+    accumulate: int
+    batch: int  # per device
+    gpu_memory_gb: float | None  # the cap on torch's allocator; None: uncapped
+    exact: bool  # AdamW's update of every parameter at every step in fp32 state
+    ratio: float | None = None  # deepspeed_zero3_offload_ratio's offload_optimizer.ratio; no key elsewhere
+
+    def entry(self, **fields: Any) -> dict[str, Any]:
+        return {**_fields(self, optional=("ratio",)), **fields}
+
+
+@dataclass(frozen=True)
+class StepMeasurement:
+    """What a run that trained measured: medians over the optimizer steps after the warm-up, and each step's times."""
+
+    step_s_median: float
+    step_s_mean: float
+    devices: int
+    rank: int
+    tokens_per_s: float  # all ranks together
+    forward_s: float  # batch start to the loss, summed over the window's micro-batches
+    backward_s: float  # the loss to on_after_backward, summed likewise
+    exposed_optimizer_s: float  # the last backward's end to the optimizer step's end
+    phase_source: str  # "zoff telemetry" or "callback"
+    telemetry_median: dict[str, float]
+    gpu_gb_after_micro_backward: float | None
+    window_peak_gpu_gb: float | None
+    peak_gpu_gb: float
+    host_gb: float  # this rank's own peak resident memory
+    params: int
+    steps: list[float]
+    forward: list[float]
+    backward: list[float]
+    zoff_options: dict[str, Any]
+    memory: dict[str, Any] | None  # zoff's memory report
+    inexact_because: str | None = None
+    deepspeed_config: dict[str, Any] | None = None  # the dict DeepSpeed got, Lightning's additions included
+
+    def fields(self) -> dict[str, Any]:
+        return _fields(self, optional=("inexact_because", "deepspeed_config"))
+
+
+@dataclass(frozen=True)
+class RunFailure:
+    """A run that did not train: why, in one line and in one word."""
+
+    error: str
+    outcome: str  # "gpu_oom", "host_oom", "timeout", "error" or "unsupported"
+    stderr_tail: str | None = None
+
+    def fields(self) -> dict[str, Any]:
+        return _fields(self, optional=("stderr_tail",))
+
+
+if __name__ == "__main__":
+    _serve(*sys.argv[1:])

@@ -1,0 +1,127 @@
+"""The Lightning callbacks the scripts record training with (harness.py's part that needs Lightning and torch):
+`StepRecorder`, each batch's loss and wall time (the check scripts), and `WindowTimer`, each optimizer step's phases
+and GPU memory (scripts/bench.py)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from typing_extensions import override
+
+
+class StepRecorder(pl.Callback):
+    """Each training batch's loss and wall time, from the batch's start to its loss's value (`.item()` waits for the
+    step's work on the accelerator). With `verbose`, rank 0 prints each step as it ends."""
+
+    def __init__(self, verbose: bool = False) -> None:
+        self.verbose = verbose
+        self.losses: list[float] = []
+        self.times: list[float] = []
+        self._start = 0.0
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._start = time.perf_counter()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.losses.append(outputs["loss"].item())
+        self.times.append(time.perf_counter() - self._start)
+        if self.verbose and trainer.global_rank == 0:
+            print(f"step {len(self.losses):3d} loss {self.losses[-1]:.4f} {self.times[-1]:.3f} s", flush=True)
+
+
+Mark = Any  # a torch.cuda.Event recorded on the current stream, or perf_counter's seconds without CUDA
+
+
+class WindowTimer(pl.Callback):
+    """Per optimizer step (window of `accumulate` micro-batches): wall time, forward and backward time, the time the
+    GPU waits for the update, the GPU memory after each micro-batch's backward and the window's peak. A window ends
+    with its last micro-batch, counted by batch_idx: DeepSpeed has Lightning step the optimizer after every
+    micro-batch. Forward and backward are timed by CUDA events on the current stream, read once the window's end has
+    synchronized: a synchronize inside the window would stall the overlap zoff runs there."""
+
+    def __init__(self, accumulate: int) -> None:
+        self.accumulate = accumulate
+        self.step_start: float | None = None
+        self.opt_start: float | None = None
+        self.steps: list[float] = []
+        self.optimizer: list[float] = []
+        self.forward: list[float] = []
+        self.backward: list[float] = []
+        self.zoff: list[dict[str, float]] = []  # the strategy's telemetry at each window's end
+        self.after_backward: list[float] = []
+        self.window_peak: list[float] = []
+        self.last_in_window = False
+        self.batch_mark: Mark = None
+        self.loss_mark: Mark = None
+        self.forward_marks: list[tuple[Mark, Mark]] = []  # (start, end) of each micro-batch in the window
+        self.backward_marks: list[tuple[Mark, Mark]] = []
+
+    @staticmethod
+    def _now() -> float:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    @staticmethod
+    def _mark() -> Mark:
+        if torch.cuda.is_available():
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    @staticmethod
+    def _seconds(marks: list[tuple[Mark, Mark]]) -> float:
+        return sum(start.elapsed_time(end) / 1000 if isinstance(start, torch.cuda.Event) else end - start
+                   for start, end in marks)
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self.last_in_window = (batch_idx + 1) % self.accumulate == 0
+        if self.step_start is None:
+            self.step_start = self._now()
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+        self.batch_mark = self._mark()
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self.loss_mark = self._mark()
+        self.forward_marks.append((self.batch_mark, self.loss_mark))
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.backward_marks.append((self.loss_mark, self._mark()))
+        if torch.cuda.is_available() and self.opt_start is None:  # the allocator's count needs no sync
+            self.after_backward.append(torch.cuda.memory_allocated() / 1e9)
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
+        if self.last_in_window:
+            self.opt_start = self._now()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not self.last_in_window:
+            return  # inside an accumulation window
+        end = self._now()
+        assert self.step_start is not None
+        self.steps.append(end - self.step_start)
+        self.optimizer.append(end - self.opt_start if self.opt_start is not None else 0.0)
+        self.forward.append(self._seconds(self.forward_marks))
+        self.backward.append(self._seconds(self.backward_marks))
+        self.forward_marks, self.backward_marks = [], []
+        self.zoff.append(dict(getattr(trainer.strategy, "telemetry", {})))
+        if torch.cuda.is_available():
+            self.window_peak.append(torch.cuda.max_memory_allocated() / 1e9)
+        self.step_start, self.opt_start = None, None

@@ -1,0 +1,143 @@
+"""What the scripts share (scripts/harness.py, recorders.py, model_shapes.py): the peak resident memory of a process
+tree, a child's results by rank, the kill at a timeout, the failure line, the step recorder and the models by name."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+import harness
+import model_shapes
+
+MB = 2**20
+# a process that holds `MB_HELD` MiB (written, so resident) for a while, with a child of its own holding half that
+TREE = textwrap.dedent("""
+    import subprocess, sys, time
+    held = int(sys.argv[1])
+    child = subprocess.Popen([sys.executable, "-c", f"import time; x = b'1' * {held // 2} * 2**20; time.sleep(1.5)"])
+    x = b"1" * held * 2**20
+    time.sleep(1.5)
+    child.wait()
+""")
+MB_HELD = 200
+
+
+def test_the_sampler_sums_the_whole_tree():
+    run = harness.run_command([sys.executable, "-c", TREE, str(MB_HELD)], interval_s=0.05)
+    assert run.ok
+    assert run.peak_tree_rss > 1.5 * MB_HELD * MB  # both processes at once
+    own = sorted(run.peak_rss_by_pid.values(), reverse=True)
+    assert len(own) >= 2
+    assert own[0] > MB_HELD * MB
+    assert own[1] > MB_HELD / 2 * MB
+    assert run.results == {}
+    assert run.wall_s > 1.5
+
+
+def test_the_sampler_of_this_process_sees_an_allocation_in_the_block():
+    with harness.RssSampler(interval_s=0.005, tree=False) as rss:
+        held = b"1" * (100 * MB)
+        time.sleep(0.2)  # the sampler's thread runs while this one sleeps
+        del held
+    assert rss.peak - rss.before > 90 * MB
+    assert rss.after < rss.peak
+    assert rss.seconds > 0
+    assert set(rss.peak_by_pid) == {os.getpid()}
+
+
+def test_a_timeout_kills_the_whole_tree(tmp_path):
+    pid_file = tmp_path / "grandchild"
+    sleeper = textwrap.dedent(f"""
+        import subprocess, sys, time
+        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        open({str(pid_file)!r}, "w").write(str(p.pid))
+        time.sleep(60)
+    """)
+    run = harness.run_command([sys.executable, "-c", sleeper], output="capture", timeout_s=4)
+    assert run.timed_out
+    assert not run.ok
+    assert run.wall_s < 30
+    assert run.failure() == "timed out after 4 s"
+    assert harness.outcome_of(run.failure()) == "timeout"
+    grandchild = int(pid_file.read_text())
+    assert not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
+
+
+def measure(size: int, rank1: bool) -> dict:
+    """Runs in the child: reports rank 1's result itself, returns rank 0's (with a tensor, which pickle carries)."""
+    import torch
+
+    if rank1:
+        harness.report({"rank": 1, "values": [size] * 2}, rank=1)
+    return {"rank": 0, "pid": os.getpid(), "tensor": torch.arange(size)}
+
+
+def fails(message: str) -> None:
+    raise ValueError(message)
+
+
+def test_results_come_back_by_rank():
+    run = harness.run_function(measure, dict(size=3, rank1=True), output="capture")
+    assert run.ok
+    assert list(run.results) == [0, 1]
+    assert run.results[0]["tensor"].tolist() == [0, 1, 2]
+    assert run.results[0]["pid"] != os.getpid()
+    assert run.results[1] == {"rank": 1, "values": [3, 3]}
+    (only,) = harness.call(measure, size=2, rank1=False)
+    assert only["tensor"].tolist() == [0, 1]
+
+
+def test_a_failed_child_names_its_cause():
+    run = harness.run_function(fails, dict(message="no such model"), output="capture")
+    assert not run.ok
+    assert run.results == {}
+    assert run.failure() == "ValueError: no such model"
+    assert harness.outcome_of(run.failure()) == "error"
+    with pytest.raises(harness.ChildFailed, match=r"(?s)exited with 1:.*ValueError: no such model"):
+        harness.call(fails, message="no such model")
+
+
+def test_report_needs_a_parent():
+    with pytest.raises(RuntimeError, match="ZOFF_HARNESS_RESULTS"):
+        harness.report({})
+
+
+def test_model_shapes_come_from_conf_model():
+    assert model_shapes.model_shape("gpt1b") == dict(vocab_size=32000, block_size=1024, n_layer=24, n_head=16,
+                                                     n_embd=2048, dropout=0.0, bias=False, tie_weights=False)
+    assert model_shapes.model_shape("gpt7b")["block_size"] == 1024  # conf/model/gpt_7b.yaml has 2048
+    assert model_shapes.model_shape("gpt7b")["n_embd"] == 4096
+    assert model_shapes.model_shape("qwen3_4b") == {"hf": "qwen3_4b", "block_size": 512}
+    assert model_shapes.model_shape("tiny")["n_layer"] == 2
+    assert model_shapes.conf_model("gpt_125m")["tie_weights"] is True
+    assert set(model_shapes.MODEL_NAMES) == {"gpt1b", "gpt7b", "gpt13b", "gpt30b", "qwen3_4b", "qwen3_tiny", "tiny",
+                                             "small"}
+
+
+def test_options_are_python_literals_or_strings():
+    assert harness.parse_options(["overlap=False", "cpu_threads=8", "accelerator_state=auto"]) == {
+        "overlap": False, "cpu_threads": 8, "accelerator_state": "auto"}
+    with pytest.raises(SystemExit, match="expected key=value"):
+        harness.parse_options(["overlap"])
+
+
+def test_the_step_recorder_records_every_batch(capsys):
+    import lightning.pytorch as pl
+
+    from recorders import StepRecorder
+    from tiny import TinyModule, token_loader
+
+    recorder = StepRecorder(verbose=True)
+    module = TinyModule()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, callbacks=[recorder], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, token_loader(n=12, batch_size=4))
+    assert recorder.losses == module.losses
+    assert len(recorder.times) == 3
+    assert all(t > 0 for t in recorder.times)
+    assert capsys.readouterr().out.count("loss") == 3
