@@ -18,7 +18,9 @@ import os
 import re
 import resource
 import sys
+import warnings
 from pathlib import Path
+from typing import Any
 
 import hydra
 import lightning.pytorch as pl
@@ -28,6 +30,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.fabric.accelerators.cuda import num_cuda_devices
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.loggers import CSVLogger
+from lightning_utilities.core.imports import RequirementCache
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_zoff import ZoffStrategy  # importing the package registers the "zoff" strategy names with Lightning
@@ -58,7 +63,7 @@ class Finish(pl.Callback):
     def on_train_end(self, trainer, pl_module):
         if self.cfg.save_checkpoint:
             self.checkpoint = self.run_dir / "checkpoints" / "last.ckpt"
-            trainer.save_checkpoint(self.checkpoint)
+            trainer.save_checkpoint(self.checkpoint, weights_only=False)  # the whole run: resumable
         if self.cfg.sample.max_new_tokens > 0:
             # the same seed in every rank: ranks draw the same tokens, so their sharded forwards stay in step
             torch.manual_seed(self.cfg.seed)
@@ -86,21 +91,54 @@ class Finish(pl.Callback):
             print(self.text.decode("utf-8", errors="replace"))
 
 
-def list_existing_keys(argv: list[str]) -> None:
-    """After a failed run: for each `a.b=value` naming a key that does not exist, print the keys `a` has (Hydra names
-    only the bad one)."""
+def list_existing_keys(argv: list[str]) -> bool:
+    """For each `a.b=value` naming a key that does not exist, print the keys `a` has (Hydra would name only the bad one,
+    after suggesting to add it with `+`); whether there was one."""
     # the run's group choices (strategy=ddp), sweeps and flags left out; a bad choice is Hydra's own message
     choices = [arg for arg in argv if re.fullmatch(r"\w+=[\w.]+", arg)]
     try:
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
             cfg = compose("train", overrides=choices)
     except Exception:
-        return
+        return False
+    missing = False
     for key in (arg.split("=", 1)[0] for arg in argv if re.match(r"\w[\w.]*\.\w+=", arg)):
         parent, _, name = key.rpartition(".")
         node = OmegaConf.select(cfg, parent)
         if OmegaConf.is_dict(node) and name not in node:
             print(f"'{key}' does not exist; {parent} has: {', '.join(sorted(node))}", file=sys.stderr)
+            missing = True
+    return missing
+
+
+class WithoutTips(logging.Filter):
+    """Lightning's advertisement for its cloud logger, printed by every fit: not a message about this run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("💡 Tip:")
+
+
+def progress_bar() -> pl.Callback:
+    """Lightning's own bar (Rich's where rich is installed), counting at most the batches `max_steps` leaves: once
+    `max_epochs` is set (`epochs_for`), Lightning's would count the whole epoch's."""
+    base: type[Any] = RichProgressBar if RequirementCache("rich") else TQDMProgressBar
+
+    class StepsBar(base):
+        @property
+        def total_train_batches(self) -> int | float:
+            total, trainer = super().total_train_batches, self.trainer
+            if trainer.max_steps > 0:
+                total = min(total, (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches)
+            return total
+
+    return StepsBar()
+
+
+def epochs_for(max_steps: int, datamodule: pl.LightningDataModule, ranks: int, accumulate: int) -> int:
+    """The epochs `max_steps` optimizer steps take, so the progress bar counts them (Lightning shows -1 without)."""
+    datamodule.setup("fit")
+    batches_per_rank = -(-len(datamodule.train_dataloader()) // ranks)
+    return max(1, -(-max_steps * accumulate // max(1, batches_per_rank)))
 
 
 def check_optimizer(strategy: pl.strategies.Strategy, optimizer_factory, choice: str) -> None:
@@ -139,11 +177,19 @@ def main(cfg: DictConfig) -> None:
     check_optimizer(strategy, optimizer_factory, HydraConfig.get().runtime.choices.get("optimizer"))
     check_empty_init(strategy, cfg.empty_init)
     history, breakdown = LossHistory(), StepBreakdown()
+    trainer_options = OmegaConf.to_container(cfg.trainer)
+    if trainer_options.get("max_epochs") is None and trainer_options.get("max_steps", -1) > 0:
+        devices = trainer_options.get("devices", 1)
+        ranks = devices if isinstance(devices, int) and devices > 0 else max(1, num_cuda_devices())
+        trainer_options["max_epochs"] = epochs_for(trainer_options["max_steps"], datamodule,
+                                                   ranks * trainer_options.get("num_nodes", 1),
+                                                   trainer_options.get("accumulate_grad_batches", 1))
     trainer = pl.Trainer(
         strategy=strategy,
-        callbacks=[history, breakdown, Finish(cfg, run_dir, history, breakdown)],
+        callbacks=[history, breakdown, Finish(cfg, run_dir, history, breakdown), progress_bar()],
         default_root_dir=run_dir,
-        **OmegaConf.to_container(cfg.trainer),
+        logger=trainer_options.pop("logger", None) or CSVLogger(run_dir, name="lightning_logs"),
+        **trainer_options,
     )
     # Only with empty_init: otherwise init_module would build on the root device, and a CUDA parent cannot fork
     with trainer.init_module(empty_init=True) if cfg.empty_init else contextlib.nullcontext():
@@ -157,9 +203,9 @@ if __name__ == "__main__":
     # in this process, so ranks can still be forked.
     if num_cuda_devices() > 0 and not any(a.startswith(("trainer=", "+trainer=")) for a in sys.argv[1:]):
         sys.argv.append("trainer=gpu")
-    try:
-        main()
-    except SystemExit as stop:  # Hydra reports an error and exits
-        if stop.code:
-            list_existing_keys(sys.argv[1:])
-        raise
+    if list_existing_keys(sys.argv[1:]):
+        sys.exit(2)
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(WithoutTips())
+    # Lightning 2.6 asks torch >= 2.13's pytree the old way every fit; nothing for a user to change
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    main()

@@ -83,3 +83,11 @@ def test_wrong_option_type_names_the_key(capsys):
         main(["--config", str(CLI / "gpt_tiny.yaml"), "--config", str(CLI / "zoff_class_path.yaml"),
               "--trainer.strategy.init_args.offload=maybe"], run=False)
     assert re.search(r'Parser key "offload":\s+Expected a <class \'bool\'>\. Got value: maybe', capsys.readouterr().err)
+
+
+def test_without_the_cli_extra_the_hint_names_it(monkeypatch):
+    import lightning_zoff.cli
+
+    monkeypatch.setattr(lightning_zoff.cli, "_CLI_EXTRA", False)
+    with pytest.raises(SystemExit, match=r"pip install 'lightning-zoff\[cli\]'"):
+        lightning_zoff.cli.main(["fit", "--help"], run=False)

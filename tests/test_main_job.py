@@ -68,6 +68,16 @@ def test_one_job(tmp_path):
     assert is_png(run_dir / "loss.png")
     sample = out.split(" sample ")[1].split("\n", 1)[1]
     assert sample.startswith("def ")
+    # quiet: no line past 160 columns, no warning twice (the ranks of a node warn alike; the first speaks), the bar
+    # counts epochs and steps as they are
+    lines = (out + proc.stderr).splitlines()
+    sampled = set(sample.splitlines())  # the sample is whatever bytes the model drew
+    text = [line for line in lines if line not in sampled]
+    assert max(len(line) for line in text) <= 160, max(text, key=len)
+    warned = [line for line in lines if re.search(r"\w+Warning: ", line)]
+    assert len(warned) == len(set(warned)), warned
+    assert re.search(r"Epoch 0(/0)? ", out)
+    assert "/-" not in out.replace(sample, "")
 
 
 def test_one_job_with_a_hugging_face_model(tmp_path):
@@ -109,3 +119,13 @@ def test_sweep_runs_each_job_in_its_own_directory(tmp_path):
     # both jobs trained from the same seed, so only the learning rate can tell their weights apart
     assert not torch.equal(weights[0]["model.blocks.0.mlp.fc.weight"], weights[1]["model.blocks.0.mlp.fc.weight"])
     assert proc.stdout.count("step breakdown (rank 0") == 2
+
+
+def test_a_key_that_does_not_exist_is_named_with_the_keys_there(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "trainer.max_step=3"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert re.search(r"'trainer\.max_step' does not exist; trainer has: accelerator, .*, max_steps, ", proc.stderr)
+    assert "+trainer.max_step" not in proc.stdout + proc.stderr  # Hydra's advice to add the key does not come first
+    assert not (tmp_path / "outputs").exists()  # nothing ran
