@@ -259,10 +259,10 @@ class ZoffStrategy(ParallelStrategy):
             self.masters = self.engine.fp32_shards()
             self._close_engine()
         threads = self._layout().kernel_threads
-        assert self.memory.machine is not None
+        machine = self.memory.machine or self.memory.read_machine()  # read at setup, unless the model came sharded
         with torch_threads(max(torch.get_num_threads(), threads)):  # the host state's first copies
             self.engine = OffloadEngine(self._units, self.masters, self.optimizers[0], self.config,
-                                        world_size=self.world_size, machine=self.memory.machine,
+                                        world_size=self.world_size, machine=machine,
                                         accumulate_grad_batches=trainer.accumulate_grad_batches, threads=threads,
                                         forward_order=forward_order(self.module, self._units))
         self.engine.attach()
