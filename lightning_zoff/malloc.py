@@ -20,7 +20,7 @@ def fix_mmap_threshold() -> None:
     parameters (megabytes each) in every forward; in the heap, between activations of changing sizes, they fragment
     it and it grows without end (no-grad forwards of a growing input: by about a unit's size per forward; under DDP,
     which frees nothing of that size, not at all). With the threshold fixed the heap stays flat, and every such buffer
-    costs page faults instead (README, "Sampling and no-grad forwards", has the numbers).
+    costs page faults instead (bench/README.md, "Sampling and no-grad forwards on CPU", has the numbers).
     """
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or "glibc.malloc.mmap_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
         return
