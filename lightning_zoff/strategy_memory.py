@@ -65,12 +65,9 @@ class Memory:
         param_bytes = s.precision_plugin.param_dtype.itemsize
         shapes, model_bytes = unit_shapes_before_sharding(module, units, s.world_size, param_bytes)
         order = {name: i for i, name in enumerate(forward_order(module, units))}
-        options = StateOptions(
-            param_bytes=param_bytes, moment_bytes=config.moment_dtype.itemsize, moments=2,
-            sum_bytes=config.accum_dtype.itemsize if accumulate_grad_batches > 1 else 0,
-            sum_on_accelerator=config.grad_accum_on == "accelerator",
-            retain_device_sum=config.retain_gpu_grad_partition_until_step, overlap=config.overlap,
-            pin=config.pin_memory)
+        # Adam's two moments: the most any supported optimizer keeps
+        options = StateOptions.of(config, param_bytes=param_bytes, moments=2,
+                                  sums_windows=accumulate_grad_batches > 1)
         plan = plan_memory(sorted(shapes, key=lambda u: order.get(u.name, len(order))), options, self.machine,
                            config.accelerator_state, model_bytes=model_bytes,
                            masters_bytes=model_bytes * 4 // param_bytes)

@@ -24,6 +24,7 @@ import os
 from collections import Counter
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
@@ -36,6 +37,9 @@ from lightning_zoff.offload.placement import (
     first_that_fit,
     margin_bytes,
 )
+
+if TYPE_CHECKING:
+    from lightning_zoff.config import ZoffConfig
 
 GB = 1e9
 GiB = 2**30
@@ -78,6 +82,16 @@ class StateOptions:
     retain_device_sum: bool = False  # ... for the whole window, every unit's at once
     overlap: bool = True  # speculation into the host's spare sets
     pin: bool = True
+
+    @classmethod
+    def of(cls, config: ZoffConfig, *, param_bytes: int, moments: int, sums_windows: bool) -> StateOptions:
+        """The options as zoff's configuration sets them, for a model of `param_bytes` and an optimizer of `moments`
+        moments; `sums_windows`: some window has several micro-batches."""
+        return cls(param_bytes=param_bytes, moment_bytes=config.moment_dtype.itemsize, moments=moments,
+                   sum_bytes=config.accum_dtype.itemsize if sums_windows else 0,
+                   sum_on_accelerator=config.grad_accum_on == "accelerator",
+                   retain_device_sum=config.retain_gpu_grad_partition_until_step,
+                   overlap=config.overlap and config.offload, pin=config.pin_memory)
 
     def state_bytes(self, trained: int) -> int:
         return trained * (4 + self.moments * self.moment_bytes)

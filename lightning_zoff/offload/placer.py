@@ -39,12 +39,8 @@ def plan_for(layouts: list[tuple[UnitLayout, nn.Module]], forward_order: Sequenc
     optimizer's param group of each trained parameter, by id)."""
     by_name = {layout.name: layout for layout, _ in layouts}
     params = [p for layout, _ in layouts for p in layout.params]
-    options = StateOptions(param_bytes=params[0].element_size() if params else 2,
-                           moment_bytes=config.moment_dtype.itemsize, moments=moments,
-                           sum_bytes=config.accum_dtype.itemsize if sums_windows else 0,
-                           sum_on_accelerator=config.grad_accum_on == "accelerator",
-                           retain_device_sum=config.retain_gpu_grad_partition_until_step,
-                           overlap=config.overlap and config.offload, pin=config.pin_memory)
+    options = StateOptions.of(config, param_bytes=params[0].element_size() if params else 2, moments=moments,
+                              sums_windows=sums_windows)
     return plan_memory([unit_shape(by_name[name], group_of) for name in forward_order], options, machine,
                        config.accelerator_state if config.offload else "none",
                        model_bytes=sum(local(p).nbytes for p in params), lion=moments == 1,
