@@ -73,13 +73,14 @@ def run_child(args: argparse.Namespace, name: str, accumulate: int, steps: int, 
     """One run in a process of its own (CUDA, DeepSpeed's globals and the host memory start fresh each time): its
     result, or its entry with "error", "outcome" and the tail of its stderr."""
     run = bench_run(name, args.model, accumulate, args.batch, args.zoff_option, args.gpu_memory_gb, args.layers,
-                    args.activation_checkpointing, ratio)
+                    args.activation_checkpointing, ratio, args.clip)
     refusal = unsupported(name, accumulate)
     if refusal:
         return run.entry(**RunFailure(refusal, "unsupported").fields())
     kwargs = dict(name=name, model_name=args.model, accumulate=accumulate, steps=steps, warmup=warmup,
                   batch=args.batch, devices=args.devices, zoff_option=args.zoff_option, ratio=ratio,
-                  gpu_memory_gb=args.gpu_memory_gb, layers=args.layers, checkpointing=args.activation_checkpointing)
+                  gpu_memory_gb=args.gpu_memory_gb, layers=args.layers, checkpointing=args.activation_checkpointing,
+                  clip=args.clip)
     child = run_function(run_one, kwargs, output="capture", timeout_s=args.run_timeout_s)
     host = {"host_tree_peak_gb": child.peak_tree_rss / 1e9, "wall_s": child.wall_s}
     if child.ok and 0 in child.results:  # rank 0's: the other ranks measured their own share
@@ -134,7 +135,7 @@ def run_with_ratio_search(args: argparse.Namespace, name: str, accumulate: int) 
     if best is None:
         last = tries[-1] if tries else {"error": "no ratio tried", "outcome": "error"}
         run = bench_run(name, args.model, accumulate, args.batch, args.zoff_option, args.gpu_memory_gb, args.layers,
-                        args.activation_checkpointing)
+                        args.activation_checkpointing, clip=args.clip)
         failure = RunFailure(f"no ratio in {ratios} fits: {last['error']}", last["outcome"])
         return run.entry(ratio=None, ratio_tries=tries, **failure.fields())
     for ratio in ratios[ratios.index(best):]:
@@ -193,6 +194,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="the GPT's blocks, instead of the model's own")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="zoff runs recompute each block's activations in backward")
+    parser.add_argument("--clip", type=lambda v: None if v in ("none", "0") else float(v), default=1.0,
+                        metavar="NORM", help="the Trainer's gradient_clip_val (default 1.0); 'none': no clipping")
     parser.add_argument("--run-timeout-s", type=float, default=None,
                         help="kill a run (its whole process tree) after this many seconds and record it as timed out")
     parser.add_argument("--out", type=Path, default=None)
@@ -224,7 +227,9 @@ def main() -> None:
                 continue
             print(f"{name:>18} acc={accumulate} step={r['step_s_median']:.3f}s tok/s={r['tokens_per_s']:.0f}"
                   f" fwd={r['forward_s']:.3f}s bwd={r['backward_s']:.3f}s exposed_opt={r['exposed_optimizer_s']:.3f}s"
-                  f" peak_gpu={r['peak_gpu_gb']:.1f}GB host={r['host_gb']:.1f}GB", flush=True)
+                  f" other={r['other_s']:.3f}s busy={r['gpu_busy_fraction']:.0%} TFLOP/s={r['model_tflops']:.0f}"
+                  f" peak_gpu={r['peak_gpu_gb']:.1f}GB reserved={r['peak_gpu_reserved_gb']:.1f}GB"
+                  f" host={r['host_gb']:.1f}GB", flush=True)
     compare(runs)
     print(f"\nmachine: {machine}\n{'run':>30} {'acc':>4} {'step s':>8} {'tokens/s':>10} {'fwd s':>7} {'bwd s':>7}"
           f" {'exposed opt s':>14} {'peak GPU GB':>12} {'host GB':>8} {'vs gpu_only':>12} {'vs DeepSpeed':>13}")

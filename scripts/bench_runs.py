@@ -60,11 +60,11 @@ def model_spec(model_name: str, layers: int | None = None) -> dict:
 
 def bench_run(name: str, model_name: str, accumulate: int, batch: int, zoff_option: list[str],
               gpu_memory_gb: float | None, layers: int | None, checkpointing: bool,
-              ratio: float | None = None) -> BenchRun:
+              ratio: float | None = None, clip: float | None = 1.0) -> BenchRun:
     exact = inexact_because(name, parse_options(zoff_option)) is None
     return BenchRun(name=name, model=model_name, layers=model_spec(model_name, layers).get("n_layer"),
                     activation_checkpointing=checkpointing, accumulate=accumulate, batch=batch,
-                    gpu_memory_gb=gpu_memory_gb, exact=exact, ratio=ratio)
+                    gpu_memory_gb=gpu_memory_gb, exact=exact, gradient_clip_val=clip, ratio=ratio)
 
 
 def build_run(name: str, model_name: str, zoff_options: dict, accumulate: int = 1, ratio: float | None = None,
@@ -161,7 +161,7 @@ def cap_gpu_memory(gpu_memory_gb: float | None) -> None:
 
 def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int, batch: int, devices: int,
             zoff_option: list[str], ratio: float | None = None, gpu_memory_gb: float | None = None,
-            layers: int | None = None, checkpointing: bool = False) -> dict:
+            layers: int | None = None, checkpointing: bool = False, clip: float | None = 1.0) -> dict:
     """Train run `name` for `warmup` + `steps` optimizer steps and measure it: this rank's entry of bench.py's JSON."""
     import lightning.pytorch as pl
     import torch
@@ -188,7 +188,7 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
     trainer = pl.Trainer(accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=devices, strategy=strategy,
                          precision=precision,
                          max_steps=(steps + warmup) * steps_per_window, accumulate_grad_batches=accumulate,
-                         gradient_clip_val=1.0,
+                         gradient_clip_val=clip,
                          callbacks=[timer], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, limit_val_batches=0)
     module = build_module(trainer)
@@ -196,6 +196,7 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
     trainer.fit(module, datamodule=data)
     measured = slice(warmup, None)
     step_s = statistics.median(timer.steps[measured])
+    tokens_per_s = devices * batch * accumulate * cfg["block_size"] / step_s  # all ranks together
     # zoff's phase times arrive a step late on CUDA (StepTimer): a step may lack them
     zoff = {key: statistics.median(t[key] for t in timer.zoff[measured] if key in t) for key in timer.zoff[-1]}
     # zoff's own count includes the forwards that waited for overlapped updates; the callback's brackets only
@@ -206,19 +207,23 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
     else:
         forward, backward = statistics.median(timer.forward[measured]), statistics.median(timer.backward[measured])
         phase_source = "callback"
-    run = bench_run(name, model_name, accumulate, batch, zoff_option, gpu_memory_gb, layers, checkpointing, ratio)
+    run = bench_run(name, model_name, accumulate, batch, zoff_option, gpu_memory_gb, layers, checkpointing, ratio,
+                    clip)
     deepspeed_config = None
     if name in DEEPSPEED_RUNS:  # what DeepSpeed got, Lightning's additions included
         deepspeed_config = json.loads(json.dumps(trainer.strategy.config, default=str))
     measurement = StepMeasurement(
         step_s_median=step_s, step_s_mean=statistics.fmean(timer.steps[measured]), devices=devices,
         rank=trainer.global_rank,
-        tokens_per_s=devices * batch * accumulate * cfg["block_size"] / step_s,  # all ranks together
-        forward_s=forward, backward_s=backward, exposed_optimizer_s=exposed, phase_source=phase_source,
+        tokens_per_s=tokens_per_s, model_tflops=6 * params * tokens_per_s / 1e12,
+        forward_s=forward, backward_s=backward, exposed_optimizer_s=exposed,
+        other_s=step_s - forward - backward - exposed, gpu_busy_fraction=(forward + backward) / step_s,
+        phase_source=phase_source,
         telemetry_median=zoff,
         gpu_gb_after_micro_backward=statistics.median(timer.after_backward) if timer.after_backward else None,
         window_peak_gpu_gb=statistics.median(timer.window_peak[measured]) if timer.window_peak else None,
         peak_gpu_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0,
+        peak_gpu_reserved_gb=torch.cuda.max_memory_reserved() / 1e9 if torch.cuda.is_available() else 0.0,
         host_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
         params=params, steps=timer.steps, forward=timer.forward, backward=timer.backward, zoff_options=zoff_options,
         memory=getattr(trainer.strategy, "memory_report", None), inexact_because=inexact_because(name, zoff_options),

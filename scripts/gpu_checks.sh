@@ -18,7 +18,7 @@ export PYTHONPATH=$DEPS$PWD  # the scripts import the lightning_zoff of the tree
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
-    env) { nvidia-smi -L; nproc; lscpu | grep -i numa; lscpu | grep -E "Model name|Flags" | cut -c1-300; free -g | head -2
+    env) { nvidia-smi -L; nproc; cat /sys/kernel/mm/transparent_hugepage/enabled; lscpu | grep -i numa; lscpu | grep -E "Model name|Flags" | cut -c1-300; free -g | head -2
            python3 -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__)"; } 2>&1 | tee "$OUT/env.txt" ;;
     acceptance) timeout ${ACCEPTANCE_TIMEOUT:-580} python3 -m pytest -q tests/gpu 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/acceptance.txt" ;;
     suite) timeout 200 python3 -m pytest -q -x tests/test_kernels.py tests/test_optim.py tests/test_training.py 2>&1 | tail -6 | tee "$OUT/pytest.txt" ;;
@@ -86,6 +86,18 @@ for stage in "$@"; do
       grep -q "failed" "$OUT/smoke.txt" && { echo "smoke failed: stopping"; exit 1; } ;;
     gpt13b_zoff)  # the 13B GPT at batch 4 with default options
       timeout ${BENCH_TIMEOUT:-400} python3 scripts/bench.py --model gpt13b --batch 4 --accumulate 1 --steps 20 --warmup 2 --runs zoff --out "$OUT/gpt13b_zoff.json" 2>&1 | grep -v "^INFO" | tail -6 | tee "$OUT/gpt13b_zoff.txt" ;;
+    gpt13b_speed)  # the 13B GPT at batch 4, default options: 20 steps at accumulate 1, 10 at accumulate 4
+      b="python3 scripts/bench.py --model gpt13b --batch 4 --warmup 2 --runs zoff --run-timeout-s 280"
+      timeout 300 $b --accumulate 1 --steps 20 --out "$OUT/gpt13b_b4_zoff.json" 2>&1 | grep -v "^INFO" | tail -3 | tee "$OUT/gpt13b_speed.txt"
+      timeout 300 $b --accumulate 4 --steps 10 --out "$OUT/gpt13b_b4_zoff_acc4.json" 2>&1 | grep -v "^INFO" | tail -3 | tee -a "$OUT/gpt13b_speed.txt" ;;
+    gpt13b_variants)  # the 13B GPT with bf16 moments, and without clipping (speculation can be kept)
+      b="python3 scripts/bench.py --model gpt13b --batch 4 --accumulate 1 --warmup 2 --steps 10 --runs zoff --run-timeout-s 250"
+      timeout 270 $b --zoff-option "optimizer_state_dtype='bf16'" --out "$OUT/gpt13b_b4_zoff_bf16_moments.json" 2>&1 | grep -v "^INFO" | tail -3 | tee "$OUT/gpt13b_variants.txt"
+      timeout 270 $b --clip none --out "$OUT/gpt13b_b4_zoff_unclipped.json" 2>&1 | grep -v "^INFO" | tail -3 | tee -a "$OUT/gpt13b_variants.txt" ;;
+    largest_speed)  # the largest sizes of 2026-12-02 at 10 measured steps: 47 layers fp32 moments, 64 layers bf16
+      b="python3 scripts/bench.py --model gpt13b --batch 4 --accumulate 1 --warmup 2 --steps 10 --runs zoff --run-timeout-s 280"
+      timeout 290 $b --layers 64 --zoff-option "optimizer_state_dtype='bf16'" --out "$OUT/gpt_64l_b4_zoff_bf16_moments.json" 2>&1 | grep -v "^INFO" | tail -3 | tee "$OUT/largest_speed.txt"
+      timeout 290 $b --layers 47 --out "$OUT/gpt_47l_b4_zoff.json" 2>&1 | grep -v "^INFO" | tail -3 | tee -a "$OUT/largest_speed.txt" ;;
     gpt13b_deepspeed)  # DeepSpeed's attempts at the 13B GPT, in the same bench's terms
       timeout ${BENCH_TIMEOUT:-560} python3 scripts/bench.py --model gpt13b --batch 4 --accumulate 1 --steps 20 --warmup 2 --runs deepspeed_zero3_offload deepspeed_zero3_offload_ratio --ratios 0.5 --run-timeout-s 240 --out "$OUT/gpt13b_deepspeed.json" 2>&1 | grep -v "^INFO" | tail -6 | tee "$OUT/gpt13b_deepspeed.txt" ;;
     gpt13b_options)  # a fraction of the state on the GPU, and bf16 moments: trains or refused before allocating

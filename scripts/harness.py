@@ -326,6 +326,7 @@ class BenchRun:
     batch: int  # per device
     gpu_memory_gb: float | None  # the cap on torch's allocator; None: uncapped
     exact: bool  # AdamW's update of every parameter at every step in fp32 state
+    gradient_clip_val: float | None  # the Trainer's (norm); None: not clipped
     ratio: float | None = None  # deepspeed_zero3_offload_ratio's offload_optimizer.ratio; no key elsewhere
 
     def entry(self, **fields: Any) -> dict[str, Any]:
@@ -341,14 +342,18 @@ class StepMeasurement:
     devices: int
     rank: int
     tokens_per_s: float  # all ranks together
+    model_tflops: float  # 6 x parameters x tokens per second, all ranks together
     forward_s: float  # batch start to the loss, summed over the window's micro-batches
     backward_s: float  # the loss to on_after_backward, summed likewise
     exposed_optimizer_s: float  # the last backward's end to the optimizer step's end
+    other_s: float  # the median step less forward, backward and exposed optimizer time: what the breakdown misses
+    gpu_busy_fraction: float  # forward and backward time (the accelerator computing) over the median step
     phase_source: str  # "zoff telemetry" or "callback"
     telemetry_median: dict[str, float]
     gpu_gb_after_micro_backward: float | None
     window_peak_gpu_gb: float | None
-    peak_gpu_gb: float
+    peak_gpu_gb: float  # torch.cuda.max_memory_allocated
+    peak_gpu_reserved_gb: float  # torch.cuda.max_memory_reserved: what the allocator took from the GPU
     host_gb: float  # this rank's own peak resident memory
     params: int
     steps: list[float]

@@ -205,10 +205,11 @@ def test_cpu_run_records_model_and_gpu_memory(tmp_path):
 
 def test_unsupported_run_is_an_entry_without_a_process():
     args = argparse.Namespace(model="gpt1b", batch=8, gpu_memory_gb=None, zoff_option=[], layers=None,
-                                    activation_checkpointing=False)
+                              activation_checkpointing=False, clip=1.0)
     entry = bench.run_child(args, "deepspeed_zero2_zenflow", accumulate=4, steps=8, warmup=2)
     assert entry["outcome"] == "unsupported"
     assert "accumulate 1" in entry["error"]
     assert entry["model"] == "gpt1b"
     assert entry["gpu_memory_gb"] is None
     assert entry["exact"] is False
+    assert entry["gradient_clip_val"] == 1.0

@@ -29,7 +29,9 @@ class PoisonedStep(TinyModule):
 
 
 class StateWatch(pl.Callback):
-    """Snapshots the whole optimizer-side state around every optimizer step; writes what changed per step."""
+    """Snapshots the whole optimizer-side state and the model's shards around every optimizer step (from the start of
+    its window: between the window's last backward and the step, the shards of units whose state is on the
+    accelerator hold their gradient); writes what changed per step."""
 
     def __init__(self, out: Path):
         self.out, self.before, self.rows = out, None, []
@@ -42,11 +44,12 @@ class StateWatch(pl.Callback):
         steps = [p.step for u in engine.units for p in u.trained]
         return tensors, steps, [g["lr"] for g in trainer.optimizers[0].param_groups]
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.before = (self._state(trainer), trainer.precision_plugin.loss_scale)
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            self.before = (self._state(trainer), trainer.precision_plugin.loss_scale)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self.before is None:
+        if self.before is None or (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
         (tensors, steps, lrs), scale = self.before
         after, steps_after, lrs_after = self._state(trainer)
@@ -63,23 +66,26 @@ class StateWatch(pl.Callback):
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.rows))
 
 
-def run(tmp_path, poison, precision):
+def run(tmp_path, poison, precision, accumulate=2, accelerator_state="auto"):
     pl.seed_everything(5)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=ZoffStrategy(start_method="fork"), plugins=[precision],
-        max_steps=7, accumulate_grad_batches=2, gradient_clip_val=1.0, callbacks=[StateWatch(tmp_path)],
+        accelerator="cpu", devices=2, strategy=ZoffStrategy(start_method="fork", accelerator_state=accelerator_state),
+        plugins=[precision], max_steps=7, accumulate_grad_batches=accumulate, gradient_clip_val=1.0,
+        callbacks=[StateWatch(tmp_path)],
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(PoisonedStep(poison), token_loader())
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
-@pytest.mark.parametrize(("precision", "poison"), [
-    (ZoffPrecision("16-mixed", hysteresis=1), float("inf")),
-    (ZoffPrecision("bf16-mixed"), float("nan")),
+@pytest.mark.parametrize(("precision", "poison", "accumulate", "accelerator_state"), [
+    (ZoffPrecision("16-mixed", hysteresis=1), float("inf"), 2, "auto"),
+    (ZoffPrecision("bf16-mixed"), float("nan"), 2, "auto"),
+    # half the state on the accelerator, a window of one: those units' gradients wait in their shards
+    (ZoffPrecision("16-mixed", hysteresis=1), float("inf"), 1, 0.5),
 ])
-def test_non_finite_step_is_skipped_exactly(tmp_path, precision, poison):
-    for rows in run(tmp_path, poison, precision):
+def test_non_finite_step_is_skipped_exactly(tmp_path, precision, poison, accumulate, accelerator_state):
+    for rows in run(tmp_path, poison, precision, accumulate, accelerator_state):
         assert len(rows) == 7
         assert [r["skipped"] for r in rows] == [i == BAD_STEP for i in range(7)]
         bad = rows[BAD_STEP]

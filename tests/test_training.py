@@ -179,6 +179,48 @@ def test_optimizer_state_on_the_accelerator_matches_ddp(tmp_path, ddp_losses, fr
         assert memory["host_total"] == 0
 
 
+class GradientWhereItWaits(pl.Callback):
+    """Before each optimizer step: whether every accelerator unit's gradient waits in its shards (none held apart)."""
+
+    def __init__(self):
+        self.in_shards = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        units = [u for u in trainer.strategy.engine.units if u.trained and u.placement is Placement.ACCELERATOR]
+        self.in_shards.append(bool(units) and all(u.grad_in_shards and u.held_grad is None for u in units))
+
+    def on_train_end(self, trainer, pl_module):
+        assert self.in_shards
+        assert all(self.in_shards), self.in_shards
+
+
+def test_accelerator_units_keep_a_single_micro_batch_gradient_in_their_shards(tmp_path):
+    # a window of one micro-batch: the accelerator's units take their gradient over their 16-bit shards, and the
+    # update from there matches DDP's (clipping on, some steps clipped)
+    ref = tmp_path / "ddp"
+    ref.mkdir()
+    _, ddp_module = fit(ref, DDPStrategy(start_method="fork"), accumulate=1)
+    _, module = fit(tmp_path, ZoffStrategy(start_method="fork", accelerator_state=0.5, weights_to_main_process=True),
+                    accumulate=1, callbacks=[GradientWhereItWaits()])
+    zoff, ddp = read_probe(tmp_path), read_probe(ref)
+    assert set(zoff["placements"].values()) == {"host", "accelerator"}
+    assert rel_err(zoff["losses"], ddp["losses"]) < 1e-5
+    assert min(zoff["clip_coefs"]) < 1.0
+    expected = ddp_module.state_dict()
+    for name, value in module.state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-5)
+
+
+def test_a_forward_between_backward_and_step_is_refused(tmp_path):
+    class ForwardBeforeStep(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            pl_module.model(torch.zeros(1, SEQ, dtype=torch.long))
+
+    with pytest.raises(RuntimeError, match="ran a forward between the window's last backward and the"):
+        fit(tmp_path, ZoffStrategy(start_method="fork", accelerator_state=1.0), accumulate=1, max_steps=2,
+            callbacks=[ForwardBeforeStep()])
+
+
 class PlaceMoreAfterTheFirstStep(pl.Callback):
     """Does what accelerator_state="auto" does on a GPU after the first step, with room for the first unit only."""
 

@@ -32,9 +32,12 @@
    the gradient it just read (`param_staging` is `grad_staging` where their layouts agree). Then copy the updated
    16-bit shards host-to-device on a side stream into FSDP2's sharded parameters. The unit's next
    forward waits for exactly that copy (`gate`), nothing else does.
-A unit whose state is placed on the accelerator (`Placement.ACCELERATOR`) takes the same path there: FSDP2's reduced
-shard is held as it is (`held_grad`), and the update runs inline with torch ops (no spare, no worker) in pieces
-through one fp32 workspace, then casts the master into FSDP2's shards, all on the training stream.
+A unit whose state is placed on the accelerator (`Placement.ACCELERATOR`) takes the same path there. In a window of
+one micro-batch its reduced gradient is copied over FSDP2's shards of its trained parameters (until the step a shard
+is only its master's cast), so FSDP2's reduced shard is freed at once and the accelerator holds no gradient per
+parameter (`grad_in_shards`); in longer windows FSDP2's shard is held (`held_grad`) and summed. The update runs inline
+with torch ops (no spare, no worker) in pieces through one fp32 workspace, then casts the master into FSDP2's shards
+(every trained one after `grad_in_shards`, a skipped step too), all on the training stream.
 Every buffer is in the memory plan (`memory_plan.py`), which chose each unit's placement before any was allocated.
 A unit's state and its phase in the window (EMPTY, SUMMING, READY, FINALIZING) are a `UnitState`
 (`unit_state.py`); what the engine moved is counted in `accounting.py`.
@@ -184,7 +187,7 @@ class OffloadEngine:
         decision, outcome = decide(units, optimizer, max_norm, world_size=self.world_size, loss_scale=loss_scale,
                                    sumsq=self.landing.sumsq)
         if self.scheduler is not None:
-            self.scheduler.decided()
+            self.scheduler.decided(as_speculated=not outcome.skipped and outcome.clip_coef == 1.0)
         if not decision.skipped:  # counted here, so each step reports its own copies even when they end during the next
             host_units = [unit for unit in units if unit.placement is Placement.HOST]
             self.traffic.add(h2d_bytes=sum(p.slot.local.nbytes for unit in host_units
@@ -224,10 +227,13 @@ class OffloadEngine:
                 if outcome != "kept":
                     self._update(unit, key)
                 self._commit(unit, decision.used[unit])
+            elif unit.grad_in_shards:  # nothing changes, but the shards hold the gradient: cast the masters again
+                self._send(unit, unit.trained, None, non_blocking=True)
         finally:
             if self.scheduler is not None:
                 self.scheduler.release(unit)  # a skipped step's speculation
             unit.speculation, unit.sumsq, unit.window_grad = None, None, None
+            unit.grad_in_shards = False
             unit.phase = Phase.EMPTY
             unit.staging_free.set()
 
@@ -237,6 +243,9 @@ class OffloadEngine:
         on_host = unit.placement is Placement.HOST
         if on_host and unit.params_copied is not None:  # param_staging still feeds the last step's copy
             unit.params_copied.synchronize()
+        if unit.grad_in_shards:
+            self._update_from_shards(unit, key)
+            return
         grad, state, spare = unit.window_grad, unit.state, unit.spare
         assert grad is not None
         out = spare.out if spare is not None else unit.param_staging
@@ -256,13 +265,29 @@ class OffloadEngine:
                        on_host=on_host)
         self.traffic.add(cpu_update_s=time.perf_counter() - start)
 
+    def _update_from_shards(self, unit: UnitState, key: UpdateKey) -> None:
+        """The update of an accelerator unit whose gradient is in FSDP2's shards (`grad_in_shards`): each parameter of
+        each run in turn, in pieces; `_send` then casts the masters over the shards."""
+        state = unit.state
+        for run, hyper in zip(key.runs, key.hyper, strict=True):
+            for param in unit.trained:
+                if not run.grad_start <= param.slot.offset < run.grad_start + run.numel:
+                    continue
+                grad = param.slot.local.view(-1)
+                for offset in range(0, grad.numel(), UPDATE_PIECE):
+                    s = param.state_offset + offset
+                    e = s + min(UPDATE_PIECE, grad.numel() - offset)
+                    update(self.rule, hyper, run.step, state[0][s:e], grad[offset : offset + e - s], state[1][s:e],
+                           None if len(state) == 2 else state[2][s:e], grad_scale=key.scale, threads=self.threads,
+                           on_host=False)
+
     def _commit(self, unit: UnitState, used: list[bool]) -> None:
         """Make the update the state, then send the updated 16-bit shards to the accelerator."""
         updated = [p for p, is_used in zip(unit.trained, used, strict=True) if is_used]
         for param in updated:
             param.step += 1
-        if unit.spare is None:
-            self._send(unit, updated, unit.param_staging, non_blocking=True)
+        if unit.spare is None:  # every trained shard when they held the gradient
+            self._send(unit, unit.trained if unit.grad_in_shards else updated, unit.param_staging, non_blocking=True)
             return
         # a kept speculation (it updated every parameter, as the decision does): its state becomes the unit's, and the
         # unit's old state, with the spare's 16-bit copy once it reached the accelerator, the pool's next set
@@ -292,6 +317,10 @@ class OffloadEngine:
         """Before a unit's forward: wait until its update is decided and on its way, then order FSDP2's all-gather
         of its shards after that copy."""
         unit = self.units[index]
+        if unit.grad_in_shards:
+            raise RuntimeError(
+                f"zoff: unit {unit.layout.name!r} ran a forward between the window's last backward and the optimizer"
+                " step. zoff keeps that gradient where the unit's 16-bit parameters were: step the optimizer first.")
         if self._seen_forward is not None and unit.layout.name not in self._seen_forward:
             self._seen_forward.append(unit.layout.name)
             if len(self._seen_forward) == len(self._hooks):  # seen whole: forwards stop paying for the record
@@ -383,6 +412,7 @@ class OffloadEngine:
         self._detached = True
         try:
             self.wait_idle()
+            self._restore_shards()
         finally:
             for hooks in self._hooks:
                 hooks.remove()
@@ -390,6 +420,15 @@ class OffloadEngine:
             if self.scheduler is not None:
                 self.scheduler.close()
                 self.scheduler = self.landing.scheduler = None
+
+    @torch.no_grad()
+    def _restore_shards(self) -> None:
+        """Units whose shards hold a gradient no step took (a fit that ended between backward and step): make the
+        shards the cast of their masters again, so the model's weights are the state's."""
+        for unit in self.units:
+            if unit.grad_in_shards:
+                self._send(unit, unit.trained, None, non_blocking=False)
+                unit.grad_in_shards = False
 
     def close(self) -> None:
         """Detach and let go of the state (a new engine replaces this one)."""

@@ -30,3 +30,12 @@ def sum_of_squares(grad: torch.Tensor, spans: list[tuple[int, int]], *, kernel: 
         else:
             total += torch.linalg.vector_norm(grad[start:end], dtype=torch.float32).double().item() ** 2
     return total
+
+
+def sum_of_squares_of(tensors: list[torch.Tensor]) -> float:
+    """Of every element of `tensors` (accelerator tensors: one wait for the accelerator, not one per tensor); inf or
+    NaN when any is not finite."""
+    if not tensors:
+        return 0.0
+    norms = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]).double()
+    return float(norms.square().sum().item())

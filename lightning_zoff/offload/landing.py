@@ -10,7 +10,7 @@ import torch
 
 from lightning_zoff.offload.accounting import Traffic
 from lightning_zoff.offload.buffers import host_empty, record_event
-from lightning_zoff.offload.grad_math import accumulate, sum_of_squares
+from lightning_zoff.offload.grad_math import accumulate, sum_of_squares, sum_of_squares_of
 from lightning_zoff.offload.scheduler import HostScheduler
 from lightning_zoff.offload.unit_state import Phase, Placement, UnitState
 
@@ -85,8 +85,10 @@ class GradientLanding:
         unit.staging_free.wait()  # the worker still reads the previous micro-batch's shard (rare: it keeps up)
         unit.staging_free.clear()
         window_ends = self.window_ends
-        if unit.placement is Placement.ACCELERATOR:
-            unit.held_grad = flat_grad  # kept as FSDP2 made it: the update reads it there
+        if unit.placement is Placement.ACCELERATOR and window_ends and unit.phase is Phase.EMPTY:
+            self._write_over_shards(unit, flat_grad)
+        elif unit.placement is Placement.ACCELERATOR:
+            unit.held_grad = flat_grad  # kept as FSDP2 made it: the window's sum takes it in `land`
             self._keep_until_read(flat_grad, self.compute_stream)
         elif not self.options.accumulate_on_accelerator or (window_ends and unit.phase is Phase.EMPTY):
             # host accumulation, or a window of one micro-batch: the 16-bit shard goes down as it is
@@ -102,6 +104,18 @@ class GradientLanding:
         if self.scheduler is not None and self.on_worker(unit):
             event = unit.grad_copied
             self.scheduler.land(lambda: self.land(unit, window_ends), ready=None if event is None else event.query)
+
+    @staticmethod
+    @torch.no_grad()
+    def _write_over_shards(unit: UnitState, flat_grad: torch.Tensor) -> None:
+        """A window of one micro-batch on the accelerator: copy each trained parameter's gradient over its own shard
+        (FSDP2 reads the shards again only in the next forward, which waits for the step's update; until then a shard
+        is just the cast of its master) and let FSDP2's reduced shard go with the next unit's arrival. The accelerator
+        then holds no gradient of its units until the step, instead of one per parameter of every such unit."""
+        for param in unit.trained:
+            local = param.slot.local
+            local.view(-1).copy_(flat_grad[param.slot.offset : param.slot.offset + local.numel()])
+        unit.grad_in_shards = True
 
     @staticmethod
     def _keep_until_read(tensor: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
@@ -154,6 +168,10 @@ class GradientLanding:
                     unit.grad_copied.synchronize()
                 else:  # what reads the shard is queued after it on the accelerator
                     torch.cuda.current_stream(unit.device).wait_event(unit.grad_copied)
+            if unit.grad_in_shards:  # the window's one micro-batch, in the shards already
+                unit.phase = Phase.READY
+                unit.sumsq = sum_of_squares_of([param.slot.local for param in unit.trained])
+                return
             arrived = unit.grad_staging if unit.held_grad is None else unit.held_grad
             unit.held_grad = None
             assert arrived is not None
@@ -173,7 +191,7 @@ class GradientLanding:
                 if self.on_worker(unit):
                     self.speculate(unit)
         finally:
-            if unit.window_grad is not unit.grad_staging:
+            if unit.grad_staging is None or unit.window_grad is not unit.grad_staging:
                 unit.staging_free.set()
             if self.scheduler is not None and self.on_worker(unit):
                 self.scheduler.landed()

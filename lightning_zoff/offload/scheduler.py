@@ -6,6 +6,10 @@ if the step will be neither clipped nor skipped, into spare buffers. The step's 
 or redoes the update in place from the untouched state. Without overlap, the engine runs the same functions inline
 and there is no scheduler.
 
+Speculation pays only when the step keeps it. While steps are clipped (a large model's early training: every step)
+or skipped, each one is redone after the decision anyway, and the host bandwidth it took in backward is lost; so
+after such a step the next window does not speculate, and after a step kept as speculated it does again.
+
 Spare buffers come from a `SparePool` of as many sets as the memory plan finds room for on the host (at most one per
 two host units: the CPU can only speculate the units whose gradients arrive early in backward anyway); a unit that
 finds none free waits for the decision and updates in place, in the order the next forward needs the units, while
@@ -87,6 +91,7 @@ class HostScheduler:
         self._landings = 0  # handed to the worker and not yet done
         self._landings_lock = threading.Lock()  # counted up in backward's thread, down in the worker
         self.window = 0  # accumulation windows decided so far: a speculation of an older one is stale
+        self.speculating = True  # this window speculates: the last step was neither clipped nor skipped
         self.speculations = {"kept": 0, "redone": 0}  # since the start, for tests and logs
         self.await_speculation = False  # decide only after every speculation ran: makes tests cover keep and redo
 
@@ -109,6 +114,8 @@ class HostScheduler:
         """Queue the unit's update for the step as it would be if nothing is clipped or skipped (`key()`), unless
         the window is decided before the worker gets to it."""
         window = self.window
+        if not self.speculating:
+            return
 
         def task() -> None:
             if window != self.window or unit.phase is not Phase.READY:
@@ -129,9 +136,11 @@ class HostScheduler:
         if self.await_speculation:
             self.worker.wait_idle()
 
-    def decided(self) -> None:
-        """The window's step is decided: its speculations not yet run are stale."""
+    def decided(self, as_speculated: bool) -> None:
+        """The window's step is decided: its speculations not yet run are stale. `as_speculated`: it was neither clipped
+        nor skipped (a speculation would have been kept), which decides whether the next window speculates."""
         self.window += 1
+        self.speculating = as_speculated
 
     def judge(self, unit: UnitState, key: UpdateKey | None) -> str | None:
         """"kept" when the unit's speculation is the decided update, "redone" when it is not (`key` None: the step

@@ -30,7 +30,7 @@ class Phase(enum.Enum):
 
     EMPTY = "no gradient in this window yet"
     SUMMING = "part of the window's gradient is in the sum, more micro-batches may add to it"
-    READY = "the window's whole gradient is on the host (in `window_grad`) with its sum of squares"
+    READY = "the window's whole gradient is in `window_grad` (or the shards: `grad_in_shards`) with its sum of squares"
     FINALIZING = "the step is decided; the update is not yet on its way to the accelerator"
 
 
@@ -123,6 +123,10 @@ class UnitState:
     phase: Phase = Phase.EMPTY
     window_grad: torch.Tensor | None = None  # grad_staging, held_grad or grad_sum; None while EMPTY
     held_grad: torch.Tensor | None = None  # FSDP2's reduced shard of a unit on the accelerator, until it is summed/used
+    # on the accelerator, a window of one micro-batch: its gradient was written over FSDP2's shards of the trained
+    # parameters (each shard is only the cast of its master until the step, which casts it again), so the accelerator
+    # holds no gradient of its own units until the step
+    grad_in_shards: bool = False
     sumsq: float | None = None  # of the window's gradient, once READY
     speculation: UpdateKey | None = None  # what the state in `spare` was computed with
     device_sum: torch.Tensor | None = None  # the window's sum on the accelerator (accumulate_on_accelerator)
