@@ -4,6 +4,7 @@ one breaks here (and in tests/test_compat.py), not somewhere in the data path. C
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -181,3 +182,16 @@ def restore_post_backward(module: nn.Module) -> None:
     group = fsdp_param_group(module)
     if group is not None and "post_backward" in vars(group):
         del group.post_backward
+
+
+def expandable_cuda_segments() -> bool:
+    """Have torch's CUDA allocator grow its segments in place (`expandable_segments`) unless the user configured the
+    allocator: units' gradients and all-gathers of many sizes otherwise fragment it, and "auto" places state by the
+    memory it reserved. Whether it was set."""
+    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ:
+        return False
+    set_settings = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if set_settings is None:
+        return False
+    set_settings("expandable_segments:True")
+    return True

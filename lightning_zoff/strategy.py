@@ -21,7 +21,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from typing_extensions import override
 
 from lightning_zoff import ranks
-from lightning_zoff._compat import set_strategy_launcher, set_strategy_precision_plugin, strategy_precision_plugin
+from lightning_zoff._compat import (
+    expandable_cuda_segments,
+    set_strategy_launcher,
+    set_strategy_precision_plugin,
+    strategy_precision_plugin,
+)
 from lightning_zoff.checks import (
     ONE_OPTIMIZER,
     check_accum_dtype,
@@ -173,6 +178,8 @@ class ZoffStrategy(ParallelStrategy):
             self.cluster_environment, self.process_group_backend, self.config.timeout, device=self.root_device,
             global_rank=self.global_rank, local_rank=self.local_rank, per_node=self.num_processes,
             cpu_threads=self.config.cpu_threads, offload=self.config.offload)
+        if self.root_device.type == "cuda":
+            expandable_cuda_segments()
 
     @override
     def model_to_device(self) -> None:

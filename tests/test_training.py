@@ -187,7 +187,7 @@ class GradientWhereItWaits(pl.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         units = [u for u in trainer.strategy.engine.units if u.trained and u.placement is Placement.ACCELERATOR]
-        self.in_shards.append(bool(units) and all(u.grad_in_shards and u.held_grad is None for u in units))
+        self.in_shards.append(bool(units) and all(u.grad_in_shards and u.window_grad is None for u in units))
 
     def on_train_end(self, trainer, pl_module):
         assert self.in_shards

@@ -35,7 +35,7 @@
 A unit whose state is placed on the accelerator (`Placement.ACCELERATOR`) takes the same path there. In a window of
 one micro-batch its reduced gradient is copied over FSDP2's shards of its trained parameters (until the step a shard
 is only its master's cast), so FSDP2's reduced shard is freed at once and the accelerator holds no gradient per
-parameter (`grad_in_shards`); in longer windows FSDP2's shard is held (`held_grad`) and summed. The update runs inline
+parameter (`grad_in_shards`); in longer windows it is added into the window's sum as it arrives. The update runs inline
 with torch ops (no spare, no worker) in pieces through one fp32 workspace, then casts the master into FSDP2's shards
 (every trained one after `grad_in_shards`, a skipped step too), all on the training stream.
 Every buffer is in the memory plan (`memory_plan.py`), which chose each unit's placement before any was allocated.

@@ -87,9 +87,8 @@ class GradientLanding:
         window_ends = self.window_ends
         if unit.placement is Placement.ACCELERATOR and window_ends and unit.phase is Phase.EMPTY:
             self._write_over_shards(unit, flat_grad)
-        elif unit.placement is Placement.ACCELERATOR:
-            unit.held_grad = flat_grad  # kept as FSDP2 made it: the window's sum takes it in `land`
-            self._keep_until_read(flat_grad, self.compute_stream)
+        elif unit.placement is Placement.ACCELERATOR:  # a longer window: into its sum at once, on this stream
+            self._accumulate(unit, self._grad_sum(unit), flat_grad, replace=unit.phase is Phase.EMPTY)
         elif not self.options.accumulate_on_accelerator or (window_ends and unit.phase is Phase.EMPTY):
             # host accumulation, or a window of one micro-batch: the 16-bit shard goes down as it is
             assert unit.grad_staging is not None
@@ -172,18 +171,20 @@ class GradientLanding:
                 unit.phase = Phase.READY
                 unit.sumsq = sum_of_squares_of([param.slot.local for param in unit.trained])
                 return
-            arrived = unit.grad_staging if unit.held_grad is None else unit.held_grad
-            unit.held_grad = None
-            assert arrived is not None
-            if self.options.accumulate_on_accelerator and unit.device_sum is not None:
+            arrived = unit.grad_staging
+            if unit.placement is Placement.ACCELERATOR:  # summed as it arrived (`on_unit_reduced`)
+                unit.window_grad = unit.grad_sum
+            elif self.options.accumulate_on_accelerator and unit.device_sum is not None:
                 if window_ends or not self.options.retain_device_sum:
                     unit.device_sum = None  # the host holds the sum now
                 unit.window_grad = self._grad_sum(unit)
             elif unit.phase is not Phase.EMPTY:
+                assert arrived is not None
                 self._accumulate(unit, self._grad_sum(unit), arrived)
             elif window_ends:
                 unit.window_grad = arrived  # the kernel reads it there
             else:
+                assert arrived is not None
                 unit.window_grad = self._accumulate(unit, self._grad_sum(unit), arrived, replace=True)
             unit.phase = Phase.READY if window_ends else Phase.SUMMING
             if window_ends:

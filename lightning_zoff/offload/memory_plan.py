@@ -6,8 +6,11 @@ A unit's optimizer state lives on one side (`Placement`). What it costs there, b
   16-bit parameters over it, in place, and they leave for the accelerator from there), ``param_out`` (the 16-bit
   parameters' own buffer, only where the state is not laid out as the gradient: some reduced parameters untrained)
   and ``grad_sum`` (the window's sum, when a window has several micro-batches). The landing and out buffers are pinned.
-- on the accelerator: ``master``, ``moments`` and ``grad_sum``. FSDP2's reduced shard is held as it is (no copy) until
-  the step, and the update writes the 16-bit parameters straight into FSDP2's shards.
+- on the accelerator: ``master``, ``moments`` and ``grad_sum``. No gradient is held per parameter: in a window of one
+  micro-batch FSDP2's reduced shard is copied over the unit's own 16-bit shards (the step casts the master over them
+  again), in longer ones added into ``grad_sum`` as it arrives; the update writes the 16-bit parameters straight into
+  FSDP2's shards. A unit there costs its state beside the model's shard: 4 + 8 + 2 = 14 B per parameter with fp32
+  AdamW moments at bf16, 10 with bf16 moments, plus 4 for ``grad_sum``; a host unit leaves 2 on the accelerator.
 Beside the units: on the host, overlap's spare sets (each a unit's state and 16-bit copy, lent to one speculating unit
 at a time; as many as the host has room for, at most one per two host units); on the accelerator, transients: the
 update's fp32 workspace (it runs in pieces of at most `UPDATE_PIECE` elements) and, with the window's sum on the

@@ -75,7 +75,7 @@ class Placer:
     def _spare_set(self) -> SpareSet:
         n = self._spare_trained
         moments = [self.moment_dtype] * self.plan.options.moments
-        state = [torch.empty(n, dtype=dtype, device=self.host) for dtype in [torch.float32, *moments]]
+        state = [host_empty(n, dtype, self.host, pin=False) for dtype in [torch.float32, *moments]]
         param_dtype = self.units[0].param_dtype if self.units else torch.float32
         out = None if param_dtype == torch.float32 else host_empty(n, param_dtype, self.host, self.pin)
         return SpareSet(state, out)

@@ -90,7 +90,7 @@ class UnitState:
 
     Threads: with `overlap`, a host unit is written by the training thread and by the worker, never at once; each
     phase says who may write it and a wait hands it over:
-    - EMPTY and SUMMING, in backward: the training thread writes `used`, `held_grad`, `device_sum`, `grad_copied` and
+    - EMPTY and SUMMING, in backward: the training thread writes `used`, `device_sum`, `grad_copied` and
       the contents of `grad_staging` (after `staging_free`: the worker is done reading it); the worker's landing then
       writes `phase`, `window_grad`, `grad_sum`, `sumsq` and sets `staging_free`.
     - READY: the worker's speculation writes `spare` and `speculation` (no other field).
@@ -113,7 +113,7 @@ class UnitState:
     # several micro-batches needs it
     grad_sum: torch.Tensor | None
     # on the host: the pinned buffer the reduced shard lands in (layout.flat_numel); None on the accelerator, where
-    # FSDP2's own reduced shard is held instead (`held_grad`)
+    # the reduced shard goes over the shards or into the window's sum as it arrives
     grad_staging: torch.Tensor | None
     # on the host: where the updated 16-bit parameters leave from, laid out as the master: `grad_staging` itself when
     # the layouts agree (the kernel overwrites each gradient element with its parameter), else a pinned buffer of its
@@ -121,8 +121,7 @@ class UnitState:
     param_staging: torch.Tensor | None
     used: list[bool]  # per slot: it got a gradient on this rank in this window
     phase: Phase = Phase.EMPTY
-    window_grad: torch.Tensor | None = None  # grad_staging, held_grad or grad_sum; None while EMPTY
-    held_grad: torch.Tensor | None = None  # FSDP2's reduced shard of a unit on the accelerator, until it is summed/used
+    window_grad: torch.Tensor | None = None  # grad_staging or grad_sum; None while EMPTY (and `grad_in_shards`)
     # on the accelerator, a window of one micro-batch: its gradient was written over FSDP2's shards of the trained
     # parameters (each shard is only the cast of its master until the step, which casts it again), so the accelerator
     # holds no gradient of its own units until the step
@@ -213,7 +212,7 @@ def build_unit_state(
         if group is not None:
             trained.append(TrainedParam(slot, index, state_numel, group))
             state_numel += slot.padded_numel
-    state = [torch.zeros(state_numel, dtype=dtype, device=device)
+    state = [host_empty(state_numel, dtype, device, pin=False).zero_()
              for dtype in [torch.float32] + [moment_dtype] * moments]
     for param in trained:
         state[0][param.state_offset : param.state_offset + param.slot.numel].copy_(
@@ -249,7 +248,7 @@ def relocate(unit: UnitState, placement: Placement, device: torch.device, *, gra
     assert unit.spare is None
     before = (unit.state, unit.placement, unit.grad_sum, unit.grad_staging, unit.param_staging)
     try:
-        unit.state = [t.to(device, copy=True) for t in unit.state]  # pageable, as built
+        unit.state = [host_empty(t.numel(), t.dtype, device, pin=False).copy_(t) for t in unit.state]  # as built
         unit.placement = placement
         _make_buffers(unit, device, sums_windows=unit.grad_sum is not None, grad_sum_dtype=grad_sum_dtype, pin=pin)
     except BaseException:  # out of memory on the way: the unit stays as it was
