@@ -124,8 +124,10 @@ def test_overlap_equals_synchronous_when_every_step_is_clipped(tmp_path):
         assert_same_bits(awaited[rank], sync[rank])
         assert_same_bits(natural[rank], sync[rank])
         assert awaited[rank]["speculations"]["kept"] == 0
-        # the first window speculated and was redone; once a step was clipped, the others wait for the decision
-        assert awaited[rank]["speculations"]["redone"] == awaited[rank]["first_step_speculations"]["redone"] > 0
+        assert awaited[rank]["speculations"]["redone"] > 0
+        # with the worker's own timing, once a step was clipped the next windows wait for the decision instead
+        assert natural[rank]["speculations"]["kept"] == 0
+        assert natural[rank]["speculations"]["redone"] == natural[rank]["first_step_speculations"]["redone"]
 
 
 class MemoryReport(pl.Callback):

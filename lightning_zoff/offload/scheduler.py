@@ -93,7 +93,8 @@ class HostScheduler:
         self.window = 0  # accumulation windows decided so far: a speculation of an older one is stale
         self.speculating = True  # this window speculates: the last step was neither clipped nor skipped
         self.speculations = {"kept": 0, "redone": 0}  # since the start, for tests and logs
-        self.await_speculation = False  # decide only after every speculation ran: makes tests cover keep and redo
+        # tests: every window speculates and the decision waits until all of it ran, so both outcomes happen
+        self.await_speculation = False
 
     # -- backward ---------------------------------------------------------------------------------------------
 
@@ -114,7 +115,7 @@ class HostScheduler:
         """Queue the unit's update for the step as it would be if nothing is clipped or skipped (`key()`), unless
         the window is decided before the worker gets to it."""
         window = self.window
-        if not self.speculating:
+        if not (self.speculating or self.await_speculation):
             return
 
         def task() -> None:
