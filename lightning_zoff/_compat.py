@@ -195,3 +195,18 @@ def expandable_cuda_segments() -> bool:
         return False
     set_settings("expandable_segments:True")
     return True
+
+
+def finish_failed_backward(module: nn.Module) -> None:
+    """After a forward or backward that raised: run FSDP2's end-of-backward callback if a backward queued it and never
+    reached it (each unit's training state back to idle, pending reductions done), then reshard every unit, so the
+    next forward starts as after a finished step."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    if units:
+        state = units[0]._get_fsdp_state()  # the outermost unit: the root, whose context every unit shares
+        if state._state_ctx.post_backward_final_callback_queued:
+            state._root_post_backward_final_callback()
+    for unit in units:
+        unit.reshard()

@@ -317,7 +317,7 @@ class ZoffStrategy(ParallelStrategy):
         # Lightning runs the window's last backward inside this call, the others outside it.
         self._in_optimizer_step = True
         try:
-            result = super().optimizer_step(optimizer, closure, model, **kwargs)
+            result = self._run_window_end(optimizer, closure, model, **kwargs)
         finally:
             self._in_optimizer_step = False
         assert self.engine is not None
@@ -338,6 +338,19 @@ class ZoffStrategy(ParallelStrategy):
                         self.last_step.grad_norm, self.module.trainer.global_step,
                         f"; loss scale now {precision.loss_scale:g}" if precision.scaler is not None else "")
         return result
+
+    def _run_window_end(self, optimizer: Any, closure: Any, model: Any, **kwargs: Any) -> Any:
+        """The window's last forward and backward (Lightning's closure). On one rank, a window of one micro-batch that
+        runs the accelerator out of memory runs again once state moved back to the host makes room: nothing was
+        applied yet. (Ranks that did not fail would wait in collectives the failed one left: they stop.)"""
+        assert self.engine is not None
+        while True:
+            try:
+                return super().optimizer_step(optimizer, closure, model, **kwargs)
+            except torch.OutOfMemoryError:
+                one_window = self.world_size == 1 and self.module.trainer.accumulate_grad_batches == 1
+                if not one_window or not self.memory.make_room_after_oom(self.engine):
+                    raise
 
     # -- checkpoints (`Checkpoints`) ------------------------------------------------------------------------
 

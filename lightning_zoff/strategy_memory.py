@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_zoff._compat import distributed_is_initialized
+from lightning_zoff._compat import distributed_is_initialized, finish_failed_backward
 from lightning_zoff.node_log import log_for_node
 from lightning_zoff.offload import OffloadEngine, describe_memory
 from lightning_zoff.offload.memory_plan import (
@@ -21,6 +21,7 @@ from lightning_zoff.offload.memory_plan import (
     MemoryPlan,
     StateOptions,
     accelerator_holds_all,
+    back_for_room,
     measure_machine,
     plan_memory,
     size,
@@ -130,6 +131,23 @@ class Memory:
         s = self.strategy
         log_for_node(line, s.global_rank, s.local_rank, s.num_processes)
 
+    def make_room_after_oom(self, engine: OffloadEngine) -> bool:
+        """A step ran the accelerator out of memory before its decision: forget its gradients and move state back to the
+        host where it has room, so the same batch can run again (nothing was applied: the result is exact). Whether
+        anything moved; "auto" moves nothing there again."""
+        finish_failed_backward(self.strategy.module)
+        engine.abandon_window()
+        moved = engine.make_room() if self.strategy.config.offload else []
+        if not moved:
+            return False
+        self._moved_back = True
+        if self.strategy.root_device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.strategy.root_device)
+        self.report = engine.memory_report()
+        self._say_placement(engine, f"a step ran out of memory there, {len(moved)} moved back; the batch runs again")
+        return True
+
     @contextmanager
     def explaining_oom(self) -> Generator[None, None, None]:
         """zoff chose to keep optimizer state on the accelerator; a later, larger step must not die unexplained."""
@@ -140,9 +158,18 @@ class Memory:
             units, nbytes = engine.placement_summary()["accelerator"] if engine is not None else (0, 0)
             if not units or not config.offload:
                 raise
+            assert engine is not None
+            plan = engine.plan
+            if back_for_room(plan, plan.machine.accelerator_margin):
+                advice = ("Keep less there: ZoffStrategy(accelerator_state=<a smaller fraction>) or"
+                          " accelerator_state='none'.")
+            else:  # moving state to the host would only move the failure there
+                advice = (f"The host has no room for more of it ({size(plan.host_bytes)} of"
+                          f" {size(plan.machine.host_capacity)} planned there): optimizer_state_dtype='bf16',"
+                          " activation checkpointing or a smaller batch leave the step more room; more GPUs split the"
+                          " state.")
             raise torch.OutOfMemoryError(
                 f"{err}\nzoff keeps the optimizer state of {units} unit(s) ({nbytes / 1e9:.1f} GB) on the"
                 f" accelerator (accelerator_state={config.accelerator_state!r}), chosen from the steps' peak memory;"
-                " this step needed more. Keep less there: ZoffStrategy(accelerator_state=<a smaller fraction>) or"
-                " accelerator_state='none'."
+                f" this step needed more. {advice}"
             ) from err

@@ -221,6 +221,58 @@ def test_a_forward_between_backward_and_step_is_refused(tmp_path):
             callbacks=[ForwardBeforeStep()])
 
 
+FAULT_STEP = 3
+
+
+class OutOfMemoryInBackward(TinyModule):
+    """At FAULT_STEP's first try the backward runs out of memory after the last blocks' gradients were reduced."""
+
+    def __init__(self):
+        super().__init__()
+        self.faulted = False
+        self.model.blocks[0].register_forward_hook(self._arm)
+
+    def _arm(self, module, args, output):
+        if self.trainer.global_step == FAULT_STEP and not self.faulted and torch.is_grad_enabled():
+            self.faulted = True
+            output.register_hook(self._raise)
+
+    @staticmethod
+    def _raise(grad):
+        raise torch.OutOfMemoryError("injected: CUDA out of memory")
+
+
+class MoveBackAtTheFaultStep(pl.Callback):
+    """The run without the fault: the same unit moved back to the host before the same step."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == FAULT_STEP and batch_idx == FAULT_STEP:
+            assert trainer.strategy.engine.make_room() == ["model.blocks.2"]  # the last unit in forward order
+
+
+def test_a_step_out_of_accelerator_memory_moves_state_back_and_runs_again(tmp_path):
+    clean, faulted = tmp_path / "clean", tmp_path / "faulted"
+    clean.mkdir()
+    faulted.mkdir()
+    # one rank: the case zoff recovers (with several, the ranks that did not fail wait in collectives)
+    _, reference = fit(clean, ZoffStrategy(start_method="fork", accelerator_state=1.0, weights_to_main_process=True),
+                       devices=1, accumulate=1, max_steps=6, callbacks=[MoveBackAtTheFaultStep()])
+    pl.seed_everything(7)  # the clean run's initial weights (`fit` seeds before it builds its module)
+    faulty = OutOfMemoryInBackward()
+    _, module = fit(faulted, ZoffStrategy(start_method="fork", accelerator_state=1.0, weights_to_main_process=True),
+                    devices=1, accumulate=1, max_steps=6, module=faulty)
+    ran, expected = read_probe(faulted), read_probe(clean)
+    assert len(ran["losses"]) == len(expected["losses"]) + 1  # the faulted try's loss, then the same batch's again
+    assert ran["placements"] == expected["placements"] == {
+        "model.blocks.0": "accelerator", "model.blocks.1": "accelerator", "model.blocks.2": "host",
+        "model": "accelerator"}
+    # the failed try changed nothing: every loss after it and the final weights have the clean run's bits
+    assert ran["losses"][:FAULT_STEP] == expected["losses"][:FAULT_STEP]
+    assert ran["losses"][FAULT_STEP + 1:] == expected["losses"][FAULT_STEP:]  # the faulted try logged its loss too
+    for name, value in module.state_dict().items():
+        assert torch.equal(value, reference.state_dict()[name]), name
+
+
 class PlaceMoreAfterTheFirstStep(pl.Callback):
     """Does what accelerator_state="auto" does on a GPU after the first step, with room for the first unit only."""
 

@@ -381,6 +381,31 @@ class OffloadEngine:
         self.wait_idle()
         return self.placer.move(names, placement)
 
+    @torch.no_grad()
+    def abandon_window(self) -> None:
+        """Forget the window's gradients (its step failed before the decision and runs again): every unit EMPTY, its
+        state untouched (speculations only ever wrote spare sets), shards that held a gradient their masters' cast."""
+        if self.scheduler is not None:
+            self.scheduler.decided(as_speculated=self.scheduler.speculating)  # queued speculations are stale
+            self.scheduler.wait_idle()
+        for unit in self.units:
+            if self.scheduler is not None:
+                self.scheduler.release(unit)
+            if unit.grad_in_shards:
+                self._send(unit, unit.trained, None, non_blocking=False)
+            unit.speculation, unit.sumsq, unit.window_grad, unit.device_sum = None, None, None, None
+            unit.grad_in_shards = False
+            unit.used = [False] * len(unit.used)
+            unit.phase = Phase.EMPTY
+            unit.staging_free.set()
+        self.landing.after_backward_failed()
+
+    def make_room(self) -> list[str]:
+        """Move state back to the host after the accelerator ran out of memory (`Placer.make_room`), between steps or
+        after `abandon_window`; the names moved."""
+        self.wait_idle()
+        return self.placer.make_room()
+
     def place_by_peak(self, peak: int, more: bool = True) -> tuple[list[str], list[str]]:
         """After a step whose accelerator memory peaked at `peak` bytes: units to the accelerator or back
         (`Placer.place_by_peak`), in the forward order the first forward showed; the names moved (there, back)."""

@@ -154,6 +154,12 @@ class GradientLanding:
         for unit in self.units:
             self._drop_accelerator_grads(unit)
 
+    def after_backward_failed(self) -> None:
+        """Drop what a failed backward left: FSDP2's gradients and the order units arrived in."""
+        for unit in self.units:
+            self._drop_accelerator_grads(unit)
+        self.landed_order = []
+
     @torch.no_grad()
     def land(self, unit: UnitState, window_ends: bool) -> None:
         """Fold the arrived shard into the window's sum; at the window's end take its sum of squares."""

@@ -374,6 +374,22 @@ def fewer_for_accelerator(plan: MemoryPlan, peak: int) -> list[str]:
     return chosen
 
 
+def back_for_room(plan: MemoryPlan, nbytes: int) -> list[str]:
+    """The accelerator's units (last in forward order first) whose state adds up to at least `nbytes` there (at least
+    one unit), as many of them as the host has room for: what to move back after a step ran out of accelerator
+    memory; empty when the host can take none."""
+    host_room = plan.machine.host_capacity - plan.state_on(Placement.HOST)  # the spare sets make way
+    chosen: list[str] = []
+    freed = 0
+    for shape in reversed(plan.units_on(Placement.ACCELERATOR)):
+        host_room -= sum(unit_buffers(shape, plan.options, Placement.HOST).values())
+        if host_room < 0 or (chosen and freed >= nbytes):
+            break
+        chosen.append(shape.name)
+        freed += sum(unit_buffers(shape, plan.options, Placement.ACCELERATOR).values())
+    return chosen
+
+
 def _refusal(plan: MemoryPlan, problems: list[str], accelerator_state: str | float, masters_bytes: int) -> str:
     """The message of a plan that does not fit: what it needs where, and the options that would fit."""
     options = plan.options

@@ -16,6 +16,7 @@ from lightning_zoff.offload.memory_plan import (
     Machine,
     MemoryPlan,
     StateOptions,
+    back_for_room,
     fewer_for_accelerator,
     more_for_accelerator,
     plan_memory,
@@ -112,6 +113,11 @@ class Placer:
             return [], self.move(back, Placement.HOST)
         there = more_for_accelerator(self.plan, peak) if more else []
         return self.move(there, Placement.ACCELERATOR), []
+
+    def make_room(self) -> list[str]:
+        """After a step ran the accelerator out of memory: move the state of its last units back to the host, a margin's
+        worth (at least one unit) where the host has room; the names moved."""
+        return self.move(back_for_room(self.plan, self.plan.machine.accelerator_margin), Placement.HOST)
 
     def summary(self) -> dict[str, tuple[int, int]]:
         """Per placement ("host", "accelerator"): units with trained parameters, and their state's bytes there."""
