@@ -4,6 +4,7 @@ the choices."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from lightning_zoff import ZoffStrategy
 from lightning_zoff.examples.corpus import CorpusDataModule, SyntheticDataModule
 from lightning_zoff.examples.gpt import Block, GPTModule
 from lightning_zoff.examples.hf import HFCausalLM
+from train_overrides import unknown_keys
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 # every option of every group (conf/cli/ is LightningCLI's, not Hydra's)
@@ -178,13 +180,41 @@ def train_script():
     return module
 
 
-def test_the_main_job_lists_the_keys_that_exist(train_script, capsys):
-    # scripts/train.py calls this after Hydra refused an override, which names only the bad key
-    train_script.list_existing_keys(["strategy=ddp", "trainer.max_step=3", "strategy.offload=false", "optimizer.lr=1"])
-    err = capsys.readouterr().err
-    assert re.search(r"'trainer\.max_step' does not exist; trainer has: accelerator, .*, max_steps, ", err)
-    assert "'strategy.offload' does not exist; strategy has: _target_, start_method\n" in err  # ddp's keys
-    assert "optimizer" not in err
+def test_the_main_job_lists_the_keys_that_exist():
+    # scripts/train.py stops with these before Hydra runs (Hydra would name only the bad key)
+    unknown = unknown_keys(["strategy=ddp", "trainer.max_step=3", "strategy.offload=false", "optimizer.lr=1"])
+    assert len(unknown) == 2
+    assert re.fullmatch(r"'trainer\.max_step' does not exist; trainer has: accelerator, .*, max_steps, .*", unknown[0])
+    assert unknown[1] == "'strategy.offload' does not exist; strategy has: _target_, start_method"  # ddp's keys
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    # nothing reads a key added at the top level or under sample: refused, with the keys there
+    (["+ckpt_pth=last"], r"'ckpt_pth' does not exist; the configuration has: callbacks, .*, ckpt_path, .*trainer"),
+    (["max_steps=3"], r"'max_steps' does not exist; the configuration has: .*"),
+    (["+sample.prompt_text=x"], r"'sample\.prompt_text' does not exist; sample has: max_new_tokens, prompt, .*"),
+    (["+trainer.max_stepz=3"], r"'trainer\.max_stepz' does not exist; trainer has: accelerator, .*"),
+    (["+optimizer.momentum=0.9"], r"'optimizer\.momentum' does not exist; optimizer has: .*lr, weight_decay"),
+    (["trainer.profiler=simple"], r"'trainer\.profiler' does not exist; .* not listed: \+trainer\.profiler=\.\.\.\)"),
+    (["+ckpt_path=last"], r"'\+ckpt_path' adds a key that exists; set it with ckpt_path=\.\.\."),
+    (["model=hf_llama_tiny", "model.config.num_hidden_layers=4"],
+     r"'model\.config\.num_hidden_layers' does not exist; model\.config is empty: add the key with \+.*"),
+    (["trainer.nothing.here=1"], r"'trainer\.nothing\.here' does not exist; trainer has: accelerator, .*"),
+])
+def test_the_main_job_refuses_a_key_nothing_reads(argv, message):
+    [refused] = unknown_keys(argv)
+    assert re.fullmatch(message, refused), refused
+
+
+@pytest.mark.parametrize("argv", [
+    ["+trainer.profiler=simple"],  # an argument of the Trainer that conf/ does not list
+    ["+optimizer.amsgrad=false"],  # of the optimizer's _target_
+    ["model=hf_llama_tiny", "+model.config.num_hidden_layers=4"],  # a free mapping: values over the preset's
+    ["-m", "optimizer=adamw,lion", "optimizer.lr=1e-3"],  # a swept group: its keys are Hydra's to check
+    ["hydra.run.dir=/tmp/run", "seed=3", "ckpt_path=last", "strategy=ddp", "strategy.start_method=spawn"],
+])
+def test_the_main_job_accepts_what_something_reads(argv):
+    assert unknown_keys(argv) == []
 
 
 def test_unknown_option_lists_the_options():
@@ -238,3 +268,34 @@ def test_zoff_refuses_sgd_before_training():
                        match=r"supports torch\.optim\.AdamW, .*lightning_zoff\.optim\.Lion; configure_optimizers "
                              r"returned torch\.optim\.sgd\.SGD"):
         trainer.fit(model, datamodule=instantiate(cfg.data))
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("data.batch_size=0", "data.batch_size=0: expected a positive integer"),
+    ("data.num_workers=-1", "data.num_workers=-1: expected 0"),
+    ("data.val_fraction=0.5", "data.val_fraction=0.5: expected a fraction above 0 and below 0.5"),
+    ("data.max_bytes=300", "data.max_bytes=300: 300 bytes of source leave no training window of block_size=128"),
+    ("model.block_size=0", "data.block_size=0: expected a positive integer"),  # data.block_size follows the model's
+])
+def test_the_main_job_names_a_data_value_that_leaves_no_data(train_script, override, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        train_script.build_data(compose_train(override))
+
+
+def test_synthetic_data_values_are_checked(train_script):
+    with pytest.raises(ValueError, match=re.escape("data.num_samples=0: expected a positive integer")):
+        train_script.build_data(compose_train("data=synthetic", "data.num_samples=0"))
+    assert len(train_script.build_data(compose_train("data=synthetic", "data.num_samples=1")).train_set) == 1
+
+
+def test_the_main_job_finds_the_newest_last_checkpoint(train_script, tmp_path):
+    older, newer = (tmp_path / "outputs" / "d" / t / "checkpoints" / "last.ckpt" for t in ("12-00-00", "09-00-00"))
+    for i, path in enumerate((older, newer)):
+        path.mkdir(parents=True)
+        os.utime(path, (i, i))  # modified later, though its directory's name sorts first
+    assert train_script.find_checkpoint("last", tmp_path / "outputs") == newer
+    assert train_script.find_checkpoint(str(older), tmp_path / "outputs") == older
+    with pytest.raises(ValueError, match=r"ckpt_path=last: no checkpoints/last\.ckpt under .*elsewhere"):
+        train_script.find_checkpoint("last", tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match=r"ckpt_path=nothing/here: no such file or directory"):
+        train_script.find_checkpoint("nothing/here", tmp_path)
