@@ -87,8 +87,19 @@ MODEL_SIZES = [("gpt_125m", 123e6, 126e6), ("gpt_1b", 1.33e9, 1.35e9), ("gpt_7b"
 
 
 def test_every_model_option_is_tested():
-    assert {name for group, name in OPTIONS if group == "model"} == {"gpt_tiny", "hf_llama_tiny", "hf_qwen3_tiny",
-                                                                      *(name for name, _, _ in MODEL_SIZES)}
+    assert {name for group, name in OPTIONS if group == "model"} == {
+        "gpt_tiny", "hf_llama_tiny", "hf_qwen3_tiny", "hf_llama_tiny_lora", *(name for name, _, _ in MODEL_SIZES)}
+
+
+def test_the_lora_option_trains_rank_8_adapters_of_every_linear_layer_of_the_tiny_llama():
+    pytest.importorskip("peft", reason="LoRA needs peft: pip install -e '.[lora]'")
+    module = instantiate(compose_train("model=hf_llama_tiny_lora").model)
+    trained = {name: p.shape for name, p in module.named_parameters() if p.requires_grad}
+    # 2 blocks x 7 layers x (A, B); hidden 64, 2 KV heads of 16, intermediate 128
+    assert len(trained) == 28
+    assert trained["model.model.layers.1.mlp.down_proj.lora_A.default.weight"] == (8, 128)
+    assert trained["model.model.layers.0.self_attn.k_proj.lora_B.default.weight"] == (32, 8)
+    assert sum(p.numel() for p in module.parameters()) == 106_816 + 16_384  # the base and 2 x 8192 adapter elements
 
 
 def test_the_tiny_models_build_and_the_large_models_have_their_sizes():
