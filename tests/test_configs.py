@@ -24,6 +24,7 @@ from lightning_zoff import ZoffStrategy
 from lightning_zoff.examples.corpus import CorpusDataModule, SyntheticDataModule
 from lightning_zoff.examples.gpt import Block, GPTModule
 from lightning_zoff.examples.hf import HFCausalLM
+from lightning_zoff.offload.memory_plan import StateOptions, host_bytes_per_element
 from train_overrides import unknown_keys
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -310,3 +311,12 @@ def test_the_main_job_finds_the_newest_last_checkpoint(train_script, tmp_path):
         train_script.find_checkpoint("last", tmp_path / "elsewhere")
     with pytest.raises(ValueError, match=r"ckpt_path=nothing/here: no such file or directory"):
         train_script.find_checkpoint("nothing/here", tmp_path)
+
+
+def test_the_bytes_per_parameter_conf_cites_are_the_plans():
+    # README's "What fits": 14 B/param of host memory with fp32 moments, 10 with bf16 (16-bit model, Adam)
+    cited = {int(n) for path in CONF.rglob("*.yaml") for n in re.findall(r"(\d+) B/param", path.read_text())}
+    planned = {host_bytes_per_element(StateOptions(param_bytes=2, moment_bytes=m, moments=2, sum_bytes=0))
+               for m in (4, 2)}
+    assert cited
+    assert cited <= planned == {14, 10}
