@@ -57,9 +57,11 @@ class LastCheckpoint(pl.Callback):
             self.saved_step = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        # within an accumulation window the step stands still: saved once, after the window's last micro-batch
+        # within an accumulation window the step stands still: saved once, after the window's last micro-batch; the
+        # last step's checkpoint is the end's
         step = trainer.global_step
-        if self.every_n_steps > 0 and step > 0 and step % self.every_n_steps == 0 and step < trainer.max_steps:
+        last = 0 < trainer.max_steps <= step
+        if self.every_n_steps > 0 and step > 0 and step % self.every_n_steps == 0 and not last:
             self.save(trainer)
 
     def on_train_end(self, trainer, pl_module):
@@ -151,6 +153,19 @@ def check_data(datamodule: pl.LightningDataModule) -> None:
     datamodule.val_dataloader()
 
 
+def build_data(cfg: DictConfig) -> pl.LightningDataModule:
+    """The data module, checked (`check_data`); a value it refuses raises ValueError naming its data.* key."""
+    try:
+        datamodule = instantiate(cfg.data)
+        check_data(datamodule)
+    except (InstantiationException, DataValueError) as err:
+        cause = err if isinstance(err, DataValueError) else err.__cause__
+        if not isinstance(cause, DataValueError):
+            raise
+        raise ValueError(f"data.{cause}") from None
+    return datamodule
+
+
 def find_checkpoint(ckpt_path: str, outputs: Path) -> Path:
     """`ckpt_path` as a path that exists; `last`: the newest checkpoints/last.ckpt under `outputs`."""
     if ckpt_path == "last":
@@ -228,19 +243,6 @@ def main(cfg: DictConfig) -> None:
     with trainer.init_module(empty_init=True) if cfg.empty_init else contextlib.nullcontext():
         model = instantiate(cfg.model, optimizer=optimizer_factory)
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
-
-
-def build_data(cfg: DictConfig) -> pl.LightningDataModule:
-    """The data module, checked (`check_data`); a value it refuses raises ValueError naming its data.* key."""
-    try:
-        datamodule = instantiate(cfg.data)
-        check_data(datamodule)
-    except (InstantiationException, DataValueError) as err:
-        cause = err if isinstance(err, DataValueError) else err.__cause__
-        if not isinstance(cause, DataValueError):
-            raise
-        raise ValueError(f"data.{cause}") from None
-    return datamodule
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ class ResumableLoader(DataLoader):
 
     @override
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        # the checkpoint's epoch only: at the epoch's last batch Lightning saves, then starts the next from its first
+        # only in the epoch the checkpoint was saved in: a later epoch starts from its first batch
         epoch = getattr(self.sampler, "epoch", None)  # a DistributedSampler's, set by Lightning every epoch
         resume, self._resume, self._given = self._resume, None, 0
         skip = resume["batches"] if resume is not None and resume["epoch"] == epoch else 0
