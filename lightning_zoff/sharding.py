@@ -11,7 +11,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_zoff._compat import (
@@ -132,6 +132,7 @@ def shard_model(
     """
     world_size, rank = mesh.size(), mesh.get_local_rank()
     init_fn = init_fn or default_param_init(model)
+    policy = inputs_in(param_dtype)
     masters: dict[str, torch.Tensor] = {}
     for unit_name, unit in units:  # inner units first: a unit's own parameters are those no earlier unit took
         prefix = f"{unit_name}." if unit_name else ""
@@ -141,7 +142,7 @@ def shard_model(
                 masters[name] = local_chunk(p.detach(), world_size, rank).to(torch.float32, copy=True)
                 p.data = p.data.to(param_dtype)
         unit.register_forward_hook(_output_not_a_view)  # runs before the hook fully_shard adds
-        fully_shard(unit, mesh=mesh, reshard_after_forward=True)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
     materialize(model, init_fn)  # buffers of top-level children that hold no parameters
     sharded = dict(model.named_parameters())
     for name, master in masters.items():
@@ -150,6 +151,19 @@ def shard_model(
             raise RuntimeError(f"zoff: shard of {name} is {tuple(local.shape)}, expected"
                                f" {tuple(master.shape)}; FSDP2 sharded it differently than dim-0 chunks.")
     return {id(sharded[name]): master for name, master in masters.items()}
+
+
+def inputs_in(param_dtype: torch.dtype) -> MixedPrecisionPolicy:
+    """FSDP2's policy for units whose parameters are already in `param_dtype`: nothing to cast but their floating-point
+    inputs, when 16-bit.
+
+    The shards hold no fp32 copy, so an op that autocast does not cast runs with 16-bit weights; an fp32 input (a
+    batch of fp32 features, a residual stream kept in fp32 outside the model) would meet them there. CPU autocast
+    leaves `layer_norm` alone and refuses an fp32 input with bf16 weights ("mixed dtype (CPU)"); CUDA autocast runs
+    it in fp32. Cast at each unit's entry, every op inside sees the dtype of the weights, as FSDP2 arranges for a
+    model whose parameters it casts itself."""
+    sixteen_bit = param_dtype != torch.float32
+    return MixedPrecisionPolicy(param_dtype=param_dtype if sixteen_bit else None, cast_forward_inputs=sixteen_bit)
 
 
 def unit_shapes_before_sharding(model: nn.Module, units: list[tuple[str, nn.Module]], world_size: int,

@@ -4,6 +4,7 @@ the choices."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from lightning_zoff import ZoffStrategy
 from lightning_zoff.examples.corpus import CorpusDataModule, SyntheticDataModule
 from lightning_zoff.examples.gpt import Block, GPTModule
 from lightning_zoff.examples.hf import HFCausalLM
+from lightning_zoff.offload.memory_plan import StateOptions, host_bytes_per_element
+from train_overrides import unknown_keys
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 # every option of every group (conf/cli/ is LightningCLI's, not Hydra's)
@@ -85,8 +88,19 @@ MODEL_SIZES = [("gpt_125m", 123e6, 126e6), ("gpt_1b", 1.33e9, 1.35e9), ("gpt_7b"
 
 
 def test_every_model_option_is_tested():
-    assert {name for group, name in OPTIONS if group == "model"} == {"gpt_tiny", "hf_llama_tiny", "hf_qwen3_tiny",
-                                                                      *(name for name, _, _ in MODEL_SIZES)}
+    assert {name for group, name in OPTIONS if group == "model"} == {
+        "gpt_tiny", "hf_llama_tiny", "hf_qwen3_tiny", "hf_llama_tiny_lora", *(name for name, _, _ in MODEL_SIZES)}
+
+
+def test_the_lora_option_trains_rank_8_adapters_of_every_linear_layer_of_the_tiny_llama():
+    pytest.importorskip("peft", reason="LoRA needs peft: pip install -e '.[lora]'")
+    module = instantiate(compose_train("model=hf_llama_tiny_lora").model)
+    trained = {name: p.shape for name, p in module.named_parameters() if p.requires_grad}
+    # 2 blocks x 7 layers x (A, B); hidden 64, 2 KV heads of 16, intermediate 128
+    assert len(trained) == 28
+    assert trained["model.model.layers.1.mlp.down_proj.lora_A.default.weight"] == (8, 128)
+    assert trained["model.model.layers.0.self_attn.k_proj.lora_B.default.weight"] == (32, 8)
+    assert sum(p.numel() for p in module.parameters()) == 106_816 + 16_384  # the base and 2 x 8192 adapter elements
 
 
 def test_the_tiny_models_build_and_the_large_models_have_their_sizes():
@@ -178,13 +192,41 @@ def train_script():
     return module
 
 
-def test_the_main_job_lists_the_keys_that_exist(train_script, capsys):
-    # scripts/train.py calls this after Hydra refused an override, which names only the bad key
-    train_script.list_existing_keys(["strategy=ddp", "trainer.max_step=3", "strategy.offload=false", "optimizer.lr=1"])
-    err = capsys.readouterr().err
-    assert re.search(r"'trainer\.max_step' does not exist; trainer has: accelerator, .*, max_steps, ", err)
-    assert "'strategy.offload' does not exist; strategy has: _target_, start_method\n" in err  # ddp's keys
-    assert "optimizer" not in err
+def test_the_main_job_lists_the_keys_that_exist():
+    # scripts/train.py stops with these before Hydra runs (Hydra would name only the bad key)
+    unknown = unknown_keys(["strategy=ddp", "trainer.max_step=3", "strategy.offload=false", "optimizer.lr=1"])
+    assert len(unknown) == 2
+    assert re.fullmatch(r"'trainer\.max_step' does not exist; trainer has: accelerator, .*, max_steps, .*", unknown[0])
+    assert unknown[1] == "'strategy.offload' does not exist; strategy has: _target_, start_method"  # ddp's keys
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    # nothing reads a key added at the top level or under sample: refused, with the keys there
+    (["+ckpt_pth=last"], r"'ckpt_pth' does not exist; the configuration has: callbacks, .*, ckpt_path, .*trainer"),
+    (["max_steps=3"], r"'max_steps' does not exist; the configuration has: .*"),
+    (["+sample.prompt_text=x"], r"'sample\.prompt_text' does not exist; sample has: max_new_tokens, prompt, .*"),
+    (["+trainer.max_stepz=3"], r"'trainer\.max_stepz' does not exist; trainer has: accelerator, .*"),
+    (["+optimizer.momentum=0.9"], r"'optimizer\.momentum' does not exist; optimizer has: .*lr, weight_decay"),
+    (["trainer.profiler=simple"], r"'trainer\.profiler' does not exist; .* not listed: \+trainer\.profiler=\.\.\.\)"),
+    (["+ckpt_path=last"], r"'\+ckpt_path' adds a key that exists; set it with ckpt_path=\.\.\."),
+    (["model=hf_llama_tiny", "model.config.num_hidden_layers=4"],
+     r"'model\.config\.num_hidden_layers' does not exist; model\.config is empty: add the key with \+.*"),
+    (["trainer.nothing.here=1"], r"'trainer\.nothing\.here' does not exist; trainer has: accelerator, .*"),
+])
+def test_the_main_job_refuses_a_key_nothing_reads(argv, message):
+    [refused] = unknown_keys(argv)
+    assert re.fullmatch(message, refused), refused
+
+
+@pytest.mark.parametrize("argv", [
+    ["+trainer.profiler=simple"],  # an argument of the Trainer that conf/ does not list
+    ["+optimizer.amsgrad=false"],  # of the optimizer's _target_
+    ["model=hf_llama_tiny", "+model.config.num_hidden_layers=4"],  # a free mapping: values over the preset's
+    ["-m", "optimizer=adamw,lion", "optimizer.lr=1e-3"],  # a swept group: its keys are Hydra's to check
+    ["hydra.run.dir=/tmp/run", "seed=3", "ckpt_path=last", "strategy=ddp", "strategy.start_method=spawn"],
+])
+def test_the_main_job_accepts_what_something_reads(argv):
+    assert unknown_keys(argv) == []
 
 
 def test_unknown_option_lists_the_options():
@@ -238,3 +280,43 @@ def test_zoff_refuses_sgd_before_training():
                        match=r"supports torch\.optim\.AdamW, .*lightning_zoff\.optim\.Lion; configure_optimizers "
                              r"returned torch\.optim\.sgd\.SGD"):
         trainer.fit(model, datamodule=instantiate(cfg.data))
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("data.batch_size=0", "data.batch_size=0: expected a positive integer"),
+    ("data.num_workers=-1", "data.num_workers=-1: expected 0"),
+    ("data.val_fraction=0.5", "data.val_fraction=0.5: expected a fraction above 0 and below 0.5"),
+    ("data.max_bytes=300", "data.max_bytes=300: 300 bytes of source leave no training window of block_size=128"),
+    ("model.block_size=0", "data.block_size=0: expected a positive integer"),  # data.block_size follows the model's
+])
+def test_the_main_job_names_a_data_value_that_leaves_no_data(train_script, override, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        train_script.build_data(compose_train(override))
+
+
+def test_synthetic_data_values_are_checked(train_script):
+    with pytest.raises(ValueError, match=re.escape("data.num_samples=0: expected a positive integer")):
+        train_script.build_data(compose_train("data=synthetic", "data.num_samples=0"))
+    assert len(train_script.build_data(compose_train("data=synthetic", "data.num_samples=1")).train_set) == 1
+
+
+def test_the_main_job_finds_the_newest_last_checkpoint(train_script, tmp_path):
+    older, newer = (tmp_path / "outputs" / "d" / t / "checkpoints" / "last.ckpt" for t in ("12-00-00", "09-00-00"))
+    for i, path in enumerate((older, newer)):
+        path.mkdir(parents=True)
+        os.utime(path, (i, i))  # modified later, though its directory's name sorts first
+    assert train_script.find_checkpoint("last", tmp_path / "outputs") == newer
+    assert train_script.find_checkpoint(str(older), tmp_path / "outputs") == older
+    with pytest.raises(ValueError, match=r"ckpt_path=last: no checkpoints/last\.ckpt under .*elsewhere"):
+        train_script.find_checkpoint("last", tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match=r"ckpt_path=nothing/here: no such file or directory"):
+        train_script.find_checkpoint("nothing/here", tmp_path)
+
+
+def test_the_bytes_per_parameter_conf_cites_are_the_plans():
+    # README's "What fits": 14 B/param of host memory with fp32 moments, 10 with bf16 (16-bit model, Adam)
+    cited = {int(n) for path in CONF.rglob("*.yaml") for n in re.findall(r"(\d+) B/param", path.read_text())}
+    planned = {host_bytes_per_element(StateOptions(param_bytes=2, moment_bytes=m, moments=2, sum_bytes=0))
+               for m in (4, 2)}
+    assert cited
+    assert cited <= planned == {14, 10}

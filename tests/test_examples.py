@@ -1,9 +1,12 @@
+import itertools
 import math
 
 import torch
+from torch.utils.data import DistributedSampler
 
 from lightning_zoff.examples.corpus import ByteWindows, CorpusDataModule, stdlib_bytes
 from lightning_zoff.examples.gpt import GPT, GPTConfig, GPTModule
+from lightning_zoff.examples.resumable import ResumableLoader
 
 SMALL = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)
 
@@ -103,3 +106,26 @@ def test_corpus_datamodule_splits():
     assert len(dm.val_set) == len(dm.test_set) == 10_000 // 64
     first = next(iter(dm.train_dataloader()))[0]
     assert torch.equal(first, x)  # seeded shuffle: the same order every time
+
+
+def test_the_training_loader_continues_mid_epoch_after_load_state_dict():
+    data = list(range(20))
+    sampler = DistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=3)
+    loader = ResumableLoader(data, batch_size=2, sampler=sampler)  # 5 batches a rank and epoch
+    sampler.set_epoch(1)
+    whole = [batch.tolist() for batch in loader]
+    seen = list(itertools.islice(iter(loader), 2))
+    state = loader.state_dict()
+    assert state == {"batches": 2, "epoch": 1}
+    assert [batch.tolist() for batch in seen] == whole[:2]
+    resumed = ResumableLoader(data, batch_size=2, sampler=DistributedSampler(data, 2, 1, shuffle=True, seed=3))
+    resumed.load_state_dict(state)
+    resumed.sampler.set_epoch(1)
+    assert [batch.tolist() for batch in resumed] == whole[2:]  # the rest of the epoch, as it would have come
+    assert [batch.tolist() for batch in resumed] == whole  # and the next pass whole
+    # a state of another epoch, or of a finished one, leaves the next epoch whole
+    resumed.load_state_dict(state)
+    resumed.sampler.set_epoch(2)
+    assert len(list(resumed)) == 5
+    resumed.load_state_dict({"batches": 5, "epoch": 2})
+    assert len(list(resumed)) == 5

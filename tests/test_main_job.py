@@ -129,3 +129,12 @@ def test_a_key_that_does_not_exist_is_named_with_the_keys_there(tmp_path):
     assert re.search(r"'trainer\.max_step' does not exist; trainer has: accelerator, .*, max_steps, ", proc.stderr)
     assert "+trainer.max_step" not in proc.stdout + proc.stderr  # Hydra's advice to add the key does not come first
     assert not (tmp_path / "outputs").exists()  # nothing ran
+
+
+def test_a_value_that_leaves_no_data_is_named_without_a_traceback(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "data.batch_size=0"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == "error: data.batch_size=0: expected a positive integer"
+    assert "Traceback" not in proc.stdout + proc.stderr

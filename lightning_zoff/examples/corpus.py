@@ -13,6 +13,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
+from lightning_zoff.examples.resumable import ResumableLoader
+
 
 def stdlib_bytes(max_bytes: int = 8_000_000) -> bytes:
     """The first `max_bytes` of the standard library's .py files, concatenated in sorted path order."""
@@ -31,6 +33,20 @@ def stdlib_bytes(max_bytes: int = 8_000_000) -> bytes:
         chunks.append(data)
         total += len(data)
     return b"".join(chunks)[:max_bytes]
+
+
+class DataValueError(ValueError):
+    """An argument of a data module that leaves the data empty or invalid; `name` is the argument's."""
+
+    def __init__(self, name: str, value: object, reason: str) -> None:
+        super().__init__(f"{name}={value}: {reason}")
+        self.name = name
+
+
+def _positive(**values: int) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise DataValueError(name, value, "expected a positive integer")
 
 
 class ByteWindows(Dataset):
@@ -62,15 +78,19 @@ class _WindowsDataModule(pl.LightningDataModule):
 
     def __init__(self, batch_size: int, num_workers: int, seed: int):
         super().__init__()
+        _positive(batch_size=batch_size)
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise DataValueError("num_workers", num_workers, "expected 0 (load in the training process) or more")
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.seed = seed
 
     def _loader(self, dataset: Dataset, shuffle: bool = False) -> DataLoader:
         # seeded, so an undistributed run shuffles the same way every time (Lightning swaps in a
-        # DistributedSampler, seeded by seed_everything, when the strategy is distributed)
+        # DistributedSampler, seeded by seed_everything, when the strategy is distributed); the shuffled (training)
+        # loader continues mid-epoch when a run resumes
         generator = torch.Generator().manual_seed(self.seed) if shuffle else None
-        return DataLoader(
+        return (ResumableLoader if shuffle else DataLoader)(
             dataset,
             batch_size=self.batch_size,
             shuffle=shuffle,
@@ -112,6 +132,10 @@ class CorpusDataModule(_WindowsDataModule):
         seed: int = 1234,
     ):
         super().__init__(batch_size, num_workers, seed)
+        _positive(block_size=block_size, max_bytes=max_bytes)
+        if not 0 < val_fraction < 0.5:
+            raise DataValueError("val_fraction", val_fraction, "expected a fraction above 0 and below 0.5 (the"
+                                 " validation and the test slices take it each; training the rest)")
         self.block_size = block_size
         self.max_bytes = max_bytes
         self.val_fraction = val_fraction
@@ -121,6 +145,9 @@ class CorpusDataModule(_WindowsDataModule):
     def setup(self, stage: str | None = None) -> None:
         tokens = torch.frombuffer(bytearray(stdlib_bytes(self.max_bytes)), dtype=torch.uint8)
         n_val = max(int(len(tokens) * self.val_fraction), self.block_size + 1)
+        if len(tokens) - 2 * n_val <= self.block_size:
+            raise DataValueError("max_bytes", self.max_bytes, f"{len(tokens)} bytes of source leave no training"
+                                 f" window of block_size={self.block_size} beside validation and test ({n_val} each)")
         self.train_set = ByteWindows(tokens[: -2 * n_val], self.block_size)
         self.val_set = ByteWindows(tokens[-2 * n_val : -n_val], self.block_size)
         self.test_set = ByteWindows(tokens[-n_val:], self.block_size)
@@ -141,6 +168,7 @@ class SyntheticDataModule(_WindowsDataModule):
         seed: int = 1234,
     ):
         super().__init__(batch_size, num_workers=0, seed=seed)
+        _positive(vocab_size=vocab_size, block_size=block_size, num_samples=num_samples)
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.num_samples = num_samples

@@ -32,6 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from typing_extensions import override
 
 from lightning_zoff.examples.gpt import OptimizerFactory, decay_groups, draw_token, token_bytes
+from lightning_zoff.examples.lora import add_lora
 from lightning_zoff.sharding import keep_gathered
 
 # name: (transformers model type, config values). The tiny ones use the corpus data module's byte vocabulary.
@@ -81,7 +82,8 @@ class HFCausalLM(pl.LightningModule):
 
     `vocab_size` (None: the preset's or config's) sets the config's value; `block_size` (None: the config's
     `max_position_embeddings`) is the longest context `generate` feeds the model. Both are `GPTModule`'s names, so the
-    Hydra data configs read them from either model (`${model.block_size}`, `${model.vocab_size}`).
+    Hydra data configs read them from either model (`${model.block_size}`, `${model.vocab_size}`). `lora`: peft's
+    `LoraConfig` arguments, to fine-tune LoRA adapters of the frozen model (`add_lora`).
     """
 
     def __init__(
@@ -96,6 +98,7 @@ class HFCausalLM(pl.LightningModule):
         eps: float = 1e-8,
         attn_implementation: str = "sdpa",
         optimizer: OptimizerFactory | None = None,
+        lora: dict[str, Any] | None = None,
     ):
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer"])
@@ -105,6 +108,8 @@ class HFCausalLM(pl.LightningModule):
         if vocab_size is not None:
             config = {**(config or {}), "vocab_size": vocab_size}
         self.model = AutoModelForCausalLM.from_config(hf_config(model, config), attn_implementation=attn_implementation)
+        if lora is not None:
+            self.model = add_lora(self.model, lora)
         self.block_size = block_size or self.model.config.max_position_embeddings
 
     @override

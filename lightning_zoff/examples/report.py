@@ -29,6 +29,16 @@ class LossHistory(pl.Callback):
         if trainer.is_global_zero and not trainer.sanity_checking and "val_loss" in trainer.callback_metrics:
             self.val.append((trainer.global_step, trainer.callback_metrics["val_loss"].item()))
 
+    @override
+    def state_dict(self) -> dict:
+        # in the checkpoint (rank 0's, which holds the history), so a resumed run plots the whole curve
+        return {"train": [(step, float(loss)) for step, loss in self.train], "val": list(self.val)}
+
+    @override
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.train = [(step, torch.tensor(loss)) for step, loss in state_dict["train"]]
+        self.val = [tuple(point) for point in state_dict["val"]]
+
     def plot(self, path: Path) -> None:
         fig = Figure(figsize=(7, 4))
         ax = fig.subplots()

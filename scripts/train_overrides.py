@@ -1,0 +1,88 @@
+"""The main job's command line, checked before Hydra runs: every `key=value` and `+key=value` must name a key that
+something reads, or the job stops with the keys that exist (Hydra would name only the bad key, after suggesting to add
+it with `+`, and accepts any `+key` that the job then ignores)."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from hydra import compose, initialize_config_dir
+from hydra.utils import get_object
+from omegaconf import DictConfig, OmegaConf
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+GROUPS = {path.name for path in CONF.iterdir() if path.is_dir() and path.name != "cli"}  # trainer, strategy, ...
+# a group choice the configuration can be composed with: one option, not a sweep (`optimizer=adamw,lion`)
+CHOICE = re.compile(r"\+{0,2}(\w+)=[\w.]+")
+
+
+def unknown_keys(argv: list[str]) -> list[str]:
+    """One message for each override of `argv` that names a key the configuration does not have, listing the keys its
+    parent has. `+key=value` adds a key only where it is passed on to a constructor that takes it (a Trainer argument,
+    a `_target_`'s, a value of an empty mapping such as model.config): anywhere else nothing would read it."""
+    overrides = [arg for arg in argv if "=" in arg and not arg.startswith("-")]  # flags aside (-m, --cfg job)
+    choices = [arg for arg in overrides if arg.split("=", 1)[0].lstrip("+~") in GROUPS]
+    simple = [arg for arg in choices if CHOICE.fullmatch(arg)]
+    swept = {arg.split("=", 1)[0].lstrip("+~") for arg in choices if arg not in simple}
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose("train", overrides=simple)
+    except Exception:  # a choice that does not exist: Hydra's own message lists the options
+        return []
+    messages = []
+    for arg in overrides:
+        written = arg.split("=", 1)[0]
+        key = written.lstrip("+~")
+        if arg in choices or written.startswith("~") or key.startswith("hydra.") or key.split(".")[0] in swept:
+            continue
+        message = _unknown(cfg, key, adding=written.startswith("+"))
+        if message:
+            messages.append(message)
+    return messages
+
+
+def _unknown(cfg: DictConfig, key: str, adding: bool) -> str | None:
+    parent, _, name = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    while not OmegaConf.is_dict(node):  # a parent that is missing too: name the nearest one there is
+        parent, _, name = parent.rpartition(".")
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+    where = parent or "the configuration"
+    if name in node:
+        return f"'+{key}' adds a key that exists; set it with {key}=..." if adding else None
+    if len(node) == 0:  # a mapping of free keys (model.config: values over a preset's)
+        return None if adding else f"'{key}' does not exist; {where} is empty: add the key with +{key}=..."
+    arguments = _arguments(parent, node)
+    if adding and arguments is not None and (arguments.any or name in arguments.names):
+        return None
+    message = f"'{key}' does not exist; {where} has: {', '.join(sorted(node))}"
+    if arguments is not None and name in arguments.names:
+        message += f" (an argument of its constructor that is not listed: +{key}=...)"
+    return message
+
+
+@dataclass
+class Arguments:
+    names: set[str]
+    any: bool  # **kwargs, or a class that is not installed (its own error comes when the job builds it)
+
+
+def _arguments(parent: str, node: DictConfig) -> Arguments | None:
+    """The arguments of the constructor that `node`'s keys are passed to; None where there is none (the top level,
+    `sample`: the job reads those keys by name)."""
+    if parent == "trainer":
+        target: Any = pl.Trainer
+    elif "_target_" in node:
+        try:
+            target = get_object(node._target_)
+        except Exception:
+            return Arguments(set(), any=True)
+    else:
+        return None
+    parameters = inspect.signature(target).parameters
+    return Arguments(set(parameters), any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()))
