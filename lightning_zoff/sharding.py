@@ -132,7 +132,7 @@ def shard_model(
     """
     world_size, rank = mesh.size(), mesh.get_local_rank()
     init_fn = init_fn or default_param_init(model)
-    policy = inputs_in(param_dtype)
+    policy = inputs_in(param_dtype, mesh.device_type)
     masters: dict[str, torch.Tensor] = {}
     for unit_name, unit in units:  # inner units first: a unit's own parameters are those no earlier unit took
         prefix = f"{unit_name}." if unit_name else ""
@@ -153,16 +153,16 @@ def shard_model(
     return {id(sharded[name]): master for name, master in masters.items()}
 
 
-def inputs_in(param_dtype: torch.dtype) -> MixedPrecisionPolicy:
+def inputs_in(param_dtype: torch.dtype, device_type: str = "cpu") -> MixedPrecisionPolicy:
     """FSDP2's policy for units whose parameters are already in `param_dtype`: nothing to cast but their floating-point
     inputs, when 16-bit.
 
     The shards hold no fp32 copy, so an op that autocast does not cast runs with 16-bit weights; an fp32 input (a
     batch of fp32 features, a residual stream kept in fp32 outside the model) would meet them there. CPU autocast
     leaves `layer_norm` alone and refuses an fp32 input with bf16 weights ("mixed dtype (CPU)"); CUDA autocast runs
-    it in fp32. Cast at each unit's entry, every op inside sees the dtype of the weights, as FSDP2 arranges for a
-    model whose parameters it casts itself."""
-    sixteen_bit = param_dtype != torch.float32
+    it in fp32. Cast at each unit's entry on CPU, every op inside sees the dtype of the weights, as FSDP2 arranges for
+    a model whose parameters it casts itself; on GPUs inputs stay as the model made them."""
+    sixteen_bit = param_dtype != torch.float32 and device_type == "cpu"
     return MixedPrecisionPolicy(param_dtype=param_dtype if sixteen_bit else None, cast_forward_inputs=sixteen_bit)
 
 
