@@ -4,6 +4,7 @@ are a `ZoffConfig`; it owns its `Checkpoints` and its `Memory`, runs each rank t
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -327,12 +328,14 @@ class ZoffStrategy(ParallelStrategy):
             self.last_step = self.engine.step(optimizer, precision.take_clip_request(), precision.loss_scale)
         if precision.scaler is not None:
             precision.scaler.update(overflow=self.last_step.skipped)
+        placing = time.perf_counter()
+        self.memory.after_step(self.engine)  # "auto" on a GPU: moves by this step's peak, after its host updates
+        placement_s = time.perf_counter() - placing
         # on CUDA the phase times come a step late (see StepTimer); the gate's wait travels with its own window
         times = self._timer.end_window(gate_wait=self.engine.take_gate_wait())
         self.telemetry = step_metrics(times, self.engine.take_traffic(), self.last_step.grad_norm,
-                                      self.last_step.skipped, precision.loss_scale)
+                                      self.last_step.skipped, precision.loss_scale) | {"zoff/placement_s": placement_s}
         self.module.log_dict(self.telemetry, on_step=True, on_epoch=False)  # Lightning allows it in optimizer_step
-        self.memory.after_step(self.engine)
         if self.last_step.skipped:
             log.warning("zoff: non-finite gradient (norm %s) at step %d: step skipped, nothing changed%s",
                         self.last_step.grad_norm, self.module.trainer.global_step,

@@ -224,6 +224,7 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
         window_peak_gpu_gb=statistics.median(timer.window_peak[measured]) if timer.window_peak else None,
         peak_gpu_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0,
         peak_gpu_reserved_gb=torch.cuda.max_memory_reserved() / 1e9 if torch.cuda.is_available() else 0.0,
+        gpu_alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0,
         host_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
         params=params, steps=timer.steps, forward=timer.forward, backward=timer.backward, zoff_options=zoff_options,
         memory=getattr(trainer.strategy, "memory_report", None), inexact_because=inexact_because(name, zoff_options),

@@ -354,6 +354,7 @@ class StepMeasurement:
     window_peak_gpu_gb: float | None
     peak_gpu_gb: float  # torch.cuda.max_memory_allocated
     peak_gpu_reserved_gb: float  # torch.cuda.max_memory_reserved: what the allocator took from the GPU
+    gpu_alloc_retries: int  # the allocator's retries after freeing its cache (each a synchronisation: slow steps)
     host_gb: float  # this rank's own peak resident memory
     params: int
     steps: list[float]

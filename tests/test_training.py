@@ -101,7 +101,8 @@ def test_each_rank_holds_its_share_of_master_and_state(tmp_path):
         # the step breakdown reached the logger; 2 B/param each way: two 16-bit micro-batch shards down
         # (padded layout), one 16-bit parameter shard up
         tele = info["telemetry"]
-        assert {"zoff/forward_s", "zoff/backward_s", "zoff/exposed_optimizer_s", "zoff/cpu_update_s"} <= tele.keys()
+        assert {"zoff/forward_s", "zoff/backward_s", "zoff/exposed_optimizer_s", "zoff/cpu_update_s",
+                "zoff/placement_s"} <= tele.keys()
         assert tele["zoff/d2h_gb"] * 1e9 == pytest.approx(2 * 2 * mem["host_master"] / 4)
         assert tele["zoff/h2d_gb"] * 1e9 == pytest.approx(2 * mem["local_params"])
     assert sum(r["memory"]["local_params"] for r in ranks) == total
