@@ -13,8 +13,8 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from torch import nn
+from torch.distributed.constants import default_pg_timeout
 
 from lightning_zoff.offload.placement import parse_accelerator_state
 
