@@ -239,13 +239,13 @@ def test_bf16_moments_with_a_beta_that_cannot_decay_warn():
 
 
 def test_model_larger_than_host_memory_is_refused_before_it_is_sharded(monkeypatch):
-    from lightning_zoff import strategy
+    from lightning_zoff import training
     from lightning_zoff.offload.memory_plan import PlanDoesNotFit
 
     def never(*args, **kwargs):
         raise AssertionError("the model must not be sharded (nor its fp32 copies made) when the plan cannot fit")
 
-    monkeypatch.setattr(strategy, "shard_model", never)  # the forked rank inherits both
+    monkeypatch.setattr(training, "shard_model", never)  # the forked rank inherits both
     monkeypatch.setenv("ZOFF_HOST_MEMORY_BYTES", str(100_000))
     # 32-true: 16 B per element (master, moments, the 4-byte gradient); nothing fits on no memory but more ranks
     with fails(PlanDoesNotFit, r"does not fit the host \(0\.\d MB needed, 0\.0 MB usable\).*16 B per element on the"

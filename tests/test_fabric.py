@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.multiprocessing import ProcessRaisedException
 
 from fabric_loop import FabricTiny, micro_batch, train, trainer_loader
-from lightning_zoff import ZoffFabricPrecision, ZoffFabricStrategy, ZoffStrategy
+from lightning_zoff import ZoffFabricPrecision, ZoffFabricStrategy, ZoffStrategy, training
 from lightning_zoff.offload.memory_plan import PlanDoesNotFit
 
 STEPS = 8
@@ -185,6 +185,10 @@ def test_unsupported_optimizer_is_refused():
 
 
 def test_plan_that_does_not_fit_is_refused_before_sharding(monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("the model must not be sharded when the plan cannot fit")
+
+    monkeypatch.setattr(training, "shard_model", never)  # the forked ranks inherit both
     monkeypatch.setenv("ZOFF_HOST_MEMORY_BYTES", str(100_000))
 
     def fit(fabric):
