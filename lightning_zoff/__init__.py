@@ -1,21 +1,31 @@
 """lightning_zoff: ZeRO-3 training for PyTorch Lightning with the optimizer offloaded to the CPU.
 
-Importing the package registers ``"zoff"`` and ``"zoff_no_offload"`` in Lightning's StrategyRegistry, so
-``Trainer(strategy="zoff")`` works after ``import lightning_zoff``.
+Two front doors over one core: `Trainer(strategy="zoff")` (`lightning_zoff.trainer`) and `Fabric(strategy="zoff")`
+(`lightning_zoff.fabric`). Importing the package registers ``"zoff"`` and ``"zoff_no_offload"`` in both of Lightning's
+strategy registries (`registration`). The core (`offload/`, `sharding`, `training`, `checkpoint/`, the kernels) does
+not import Lightning, so the doors' classes load on first use.
 """
 
+import importlib
 import logging
+from typing import Any
 
-from lightning.pytorch.strategies import StrategyRegistry
+from lightning_zoff.registration import register_with_lightning
 
-from lightning_zoff.precision import ZoffPrecision
-from lightning_zoff.strategy import ZoffStrategy
-
-__all__ = ["ZoffPrecision", "ZoffStrategy"]
+__all__ = ["ZoffFabricPrecision", "ZoffFabricStrategy", "ZoffPrecision", "ZoffStrategy"]
 __version__ = "0.1.0"
 
-if "zoff" not in StrategyRegistry:
-    ZoffStrategy.register_strategies(StrategyRegistry)
+_DOORS = {"ZoffPrecision": "lightning_zoff.trainer", "ZoffStrategy": "lightning_zoff.trainer",
+          "ZoffFabricPrecision": "lightning_zoff.fabric", "ZoffFabricStrategy": "lightning_zoff.fabric"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DOORS:
+        return getattr(importlib.import_module(_DOORS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+register_with_lightning()
 
 _log = logging.getLogger(__name__)
 if not _log.handlers:  # like Lightning's own logger: INFO to stderr unless the application configured logging

@@ -1,6 +1,6 @@
-"""Every private name of torch, Lightning and transformers that zoff uses, in one place, so an upgrade that moves
-one breaks here (and in tests/test_compat.py), not somewhere in the data path. Checked on torch 2.11 + lightning 2.6.6
-(GPU machine) and torch 2.13 + lightning 2.6.6 (CPU)."""
+"""Every private name of torch and transformers that zoff's core uses, in one place, so an upgrade that moves one
+breaks here (and in tests/test_compat.py), not somewhere in the data path. Lightning's private names, which only the
+two front doors use, are in `_compat_lightning`. Checked on torch 2.11 (GPU machine) and torch 2.13 (CPU)."""
 
 from __future__ import annotations
 
@@ -9,56 +9,14 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import torch
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized as distributed_is_initialized,
-    _init_dist_connection as init_dist_connection,
-    _sync_ddp_if_available as sync_ddp_if_available,
-)
-from lightning.pytorch.core.optimizer import _configure_optimizers
-from lightning.pytorch.strategies.launchers import (
-    _MultiProcessingLauncher as MultiProcessingLauncher,
-    _SubprocessScriptLauncher as SubprocessScriptLauncher,
-)
-from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput as WorkerOutput
 from torch import nn
 from torch.distributed.utils import _apply_to_tensors
 
 __all__ = [
-    "MultiProcessingLauncher", "SubprocessScriptLauncher", "WorkerOutput", "all_gather_streams", "apply_to_tensors",
-    "before_reduce", "checkpoint_activations_of", "dcp_data_extents", "direct_tensors", "distributed_is_initialized",
-    "fsdp_param_group", "fused_adam_step", "hf_init_weights", "init_dist_connection", "is_view", "launcher_strategy",
-    "optimizers_of", "replace_direct_tensor", "restore_post_backward", "set_strategy_launcher",
-    "set_strategy_precision_plugin", "strategy_precision_plugin", "sync_ddp_if_available", "unit_params",
+    "all_gather_streams", "apply_to_tensors", "before_reduce", "checkpoint_activations_of", "dcp_data_extents",
+    "direct_tensors", "fsdp_param_group", "fused_adam_step", "hf_init_weights", "is_view", "replace_direct_tensor",
+    "restore_post_backward", "unit_params",
 ]
-
-
-# -- Lightning ----------------------------------------------------------------------------------------------------
-
-def strategy_precision_plugin(strategy: Any) -> Any:
-    """The precision plugin set on `strategy`, None while none is (Lightning's `precision_plugin` property would
-    answer a default `Precision()` instead, where zoff needs its own)."""
-    return strategy._precision_plugin
-
-
-def set_strategy_precision_plugin(strategy: Any, plugin: Any) -> None:
-    """Store `plugin` where Lightning's `Strategy.precision_plugin` reads it (zoff's property overrides that one)."""
-    strategy._precision_plugin = plugin
-
-
-def set_strategy_launcher(strategy: Any, launcher: Any) -> None:
-    """Store `launcher` where Lightning's `Strategy.launcher` reads it: a strategy's `_configure_launcher` does so."""
-    strategy._launcher = launcher
-
-
-def launcher_strategy(launcher: Any) -> Any:
-    """The strategy a Lightning multiprocessing launcher was built for."""
-    return launcher._strategy
-
-
-def optimizers_of(configured: Any) -> list[Any]:
-    """The optimizers in what `configure_optimizers` returned (any of the forms Lightning accepts), as Lightning reads
-    them; raises for a form it does not accept."""
-    return _configure_optimizers(configured)[0]
 
 
 # -- torch ------------------------------------------------------------------------------------------------------

@@ -1,68 +1,27 @@
-"""What ZoffStrategy refuses, each as early as it can be known (its options: `ZoffConfig`, in the constructor): the
-Trainer's settings, the model and its optimizer in setup (and in the launcher, before any rank starts); a predict
-dataloader before its first batch."""
+"""What zoff refuses whichever door it came in by, before anything is sharded or allocated: the optimizer (one, of a
+class the engine has an update for) and a gradient-sum dtype the model's precision cannot accumulate in. The options
+themselves are checked by `ZoffConfig`; each door adds its own (`trainer/checks.py`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper
 
-from lightning_zoff._compat import distributed_is_initialized, optimizers_of
 from lightning_zoff.config import ACCUM_DTYPES
 from lightning_zoff.optim.rules import update_rule_for
 
-
-def check_supported(trainer: Any, module: Any) -> None:
-    """Refuse what the strategy cannot train: manual optimization, clipping by value."""
-    if not module.automatic_optimization:
-        raise ValueError(
-            "strategy='zoff' supports automatic optimization only: the optimizer step runs inside the"
-            " strategy. Remove `self.automatic_optimization = False` or use another strategy."
-        )
-    if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value":
-        raise ValueError(
-            "strategy='zoff' clips gradients by norm only; use gradient_clip_algorithm='norm' (the default)."
-        )
-
-
 ONE_OPTIMIZER = (
-    "strategy='zoff' drives exactly one optimizer; configure_optimizers returned {}. Put all parameters in one"
-    " optimizer, using param groups for different settings."
+    "strategy='zoff' drives exactly one optimizer; {} {}. Put all parameters in one optimizer, using param groups for"
+    " different settings."
 )
 
 
-def check_optimizers(optimizers: list[Any]) -> None:
+def check_optimizers(optimizers: list[Any], given_by: str = "configure_optimizers returned") -> None:
     """Refuse what the engine cannot step: other than one optimizer, or one of a class zoff has no update for."""
     if len(optimizers) != 1:
-        raise ValueError(ONE_OPTIMIZER.format(len(optimizers)))
+        raise ValueError(ONE_OPTIMIZER.format(given_by, len(optimizers)))
     update_rule_for(optimizers[0])
-
-
-def check_configured_optimizers(module: Any) -> None:
-    """`check_optimizers` on what `module.configure_optimizers()` returns when run in this process before the ranks
-    start: on the module as built so far, attached to no Trainer and under torch.device("meta") (whatever it allocates
-    costs nothing). A configure_optimizers that needs what only a rank has (the Trainer, a model built in
-    configure_model) fails here; that failure is not the user's mistake, and the ranks then run it for real."""
-    if _attached(module):  # to an earlier run's Trainer, whose state it could read or change
-        return
-    try:
-        with torch.device("meta"):
-            configured = module.configure_optimizers()
-        optimizers = optimizers_of(configured)
-    except Exception:
-        return
-    if configured is not None:  # none: Lightning warns and the ranks refuse its stand-in
-        check_optimizers(optimizers)
-
-
-def _attached(module: Any) -> bool:
-    try:
-        return module.trainer is not None
-    except RuntimeError:  # Lightning's answer for a module not attached to a Trainer, as before its first fit
-        return False
 
 
 def check_accum_dtype(grad_accum_dtype: str, precision: str, param_dtype: torch.dtype) -> None:
@@ -74,18 +33,3 @@ def check_accum_dtype(grad_accum_dtype: str, precision: str, param_dtype: torch.
             f"grad_accum_dtype={grad_accum_dtype!r} cannot accumulate gradients of a {precision} model; choose one"
             f" of {valid}."
         )
-
-
-def check_predict_batches(dataloader: Any, world_size: int) -> None:
-    """A collective: every rank must get as many batches. Lightning's predict sampler does not repeat samples, so
-    ranks can get different batch counts; a sharded forward then waits forever for the rank that ran out."""
-    sampler = getattr(getattr(dataloader, "batch_sampler", None), "sampler", None)
-    if isinstance(sampler, UnrepeatedDistributedSamplerWrapper) and distributed_is_initialized():
-        counts = [None] * world_size
-        dist.all_gather_object(counts, len(dataloader))
-        if len(set(counts)) > 1:
-            raise ValueError(
-                f"zoff: the predict dataloader gives ranks different batch counts {counts}; every rank must"
-                f" run the same number of sharded forwards. Pad the dataset to a multiple of"
-                f" world_size x batch_size ({world_size} x {dataloader.batch_size})."
-            )

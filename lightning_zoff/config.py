@@ -1,8 +1,9 @@
 """Every option of zoff in one frozen, typed dataclass: its default, its one-line doc, its check.
 
-`ZoffStrategy(**options)` builds a `ZoffConfig` (refusing a bad value with the field's name and what it accepts), and
-the engine, the memory plan and the checkpoints read the options from it under the same names. README.md's option
-table is `markdown_table()` and `conf/strategy/zoff.yaml` lists every field (tests/test_config.py holds them to it).
+Each front door's strategy (`ZoffStrategy(**options)`, `ZoffFabricStrategy(**options)`) builds a `ZoffConfig` (refusing
+a bad value with the field's name and what it accepts), and the engine, the memory plan and the checkpoints read the
+options from it under the same names. README.md's option table is `markdown_table()` and `conf/strategy/zoff.yaml`
+lists every field (tests/test_config.py holds them to it).
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from torch import nn
+from torch.distributed.constants import default_pg_timeout
 
 from lightning_zoff.offload.placement import parse_accelerator_state
 

@@ -30,13 +30,15 @@ ZOFF_VARIANTS: dict[str, dict[str, Any]] = {
     # the 7B-on-128-GB configuration, all on the host
     "zoff_sync_bf16_moments": dict(overlap=False, optimizer_state_dtype="bf16", accelerator_state="none"),
 }
-RUNS = ("gpu_only", *DEEPSPEED_RUNS, "fsdp2_cpu_offload", *ZOFF_VARIANTS, "zoff_no_offload")
+# "zoff" trained in a plain Fabric loop (scripts/bench_fabric.py) instead of the Trainer
+FABRIC_RUN = "zoff_fabric"
+RUNS = ("gpu_only", *DEEPSPEED_RUNS, "fsdp2_cpu_offload", *ZOFF_VARIANTS, "zoff_no_offload", FABRIC_RUN)
 DEFAULT_RUNS = ("gpu_only", "zoff", *DEEPSPEED_RUNS, "fsdp2_cpu_offload")
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
 def is_zoff(name: str) -> bool:
-    return name in ZOFF_VARIANTS or name == "zoff_no_offload"
+    return name in ZOFF_VARIANTS or name in ("zoff_no_offload", FABRIC_RUN)
 
 
 def inexact_because(name: str, zoff_options: dict) -> str | None:
@@ -67,6 +69,41 @@ def bench_run(name: str, model_name: str, accumulate: int, batch: int, zoff_opti
                     gpu_memory_gb=gpu_memory_gb, exact=exact, gradient_clip_val=clip, ratio=ratio)
 
 
+def family_of(model_name: str, layers: int | None = None) -> tuple[type, dict[str, Any]]:
+    """The LightningModule class of the model and its keyword arguments."""
+    spec = model_spec(model_name, layers)
+    if "hf" in spec:
+        from lightning_zoff.examples.hf import HFCausalLM
+
+        return HFCausalLM, dict(model=spec["hf"])
+    from lightning_zoff.examples.gpt import GPTModule
+
+    return GPTModule, spec
+
+
+def zoff_run_options(name: str, zoff_options: dict, model_name: str, layers: int | None,
+                     checkpointing: bool) -> dict[str, Any]:
+    """The zoff options of run `name`: its variant's, then --zoff-option's, and with `checkpointing` the blocks'."""
+    options = {**ZOFF_VARIANTS.get(name, {}), **zoff_options, "offload": name != "zoff_no_offload"}
+    if checkpointing:
+        if "hf" in model_spec(model_name, layers):
+            raise SystemExit("--activation-checkpointing: GPT shapes only")
+        from lightning_zoff.examples.gpt import Block
+
+        options["activation_checkpointing_policy"] = {Block}
+    return options
+
+
+def fabric_parts(model_name: str, zoff_options: dict, layers: int | None,
+                 checkpointing: bool) -> tuple[type, dict[str, Any], dict[str, Any]]:
+    """The Fabric run's module class and arguments (GPT shapes: its loop calls `model(x, y)` for the loss) and zoff
+    options."""
+    if "hf" in model_spec(model_name, layers):
+        raise SystemExit(f"--runs {FABRIC_RUN}: GPT shapes only")
+    family, kwargs = family_of(model_name, layers)
+    return family, kwargs, zoff_run_options(FABRIC_RUN, zoff_options, model_name, layers, checkpointing)
+
+
 def build_run(name: str, model_name: str, zoff_options: dict, accumulate: int = 1, ratio: float | None = None,
               layers: int | None = None, checkpointing: bool = False):
     """(module factory taking the Trainer, strategy, precision) of one run: the same model and AdamW
@@ -76,15 +113,7 @@ def build_run(name: str, model_name: str, zoff_options: dict, accumulate: int = 
     import torch
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    spec = model_spec(model_name, layers)
-    if "hf" in spec:
-        from lightning_zoff.examples.hf import HFCausalLM as Family
-
-        kwargs = dict(model=spec["hf"])
-    else:
-        from lightning_zoff.examples.gpt import GPTModule as Family
-
-        kwargs = spec
+    Family, kwargs = family_of(model_name, layers)
 
     class DeepSpeedZeRO3(Family):
         def configure_model(self):
@@ -125,14 +154,7 @@ def build_run(name: str, model_name: str, zoff_options: dict, accumulate: int = 
     if is_zoff(name):
         from lightning_zoff import ZoffStrategy
 
-        options = {**ZOFF_VARIANTS.get(name, {}), **zoff_options}
-        if checkpointing:
-            if "hf" in spec:
-                raise SystemExit("--activation-checkpointing: GPT shapes only")
-            from lightning_zoff.examples.gpt import Block
-
-            options["activation_checkpointing_policy"] = {Block}
-        strategy = ZoffStrategy(**options, offload=name != "zoff_no_offload")
+        strategy = ZoffStrategy(**zoff_run_options(name, zoff_options, model_name, layers, checkpointing))
 
         def build_on_meta(trainer):
             with trainer.init_module(empty_init=True):  # each rank initialises only its own units
@@ -178,10 +200,19 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
 
         cfg = {**cfg, "vocab_size": hf_config(cfg["hf"]).vocab_size}
     pl.seed_everything(0)
-    build_module, strategy, precision = build_run(name, model_name, zoff_options, accumulate, ratio, layers,
-                                                  checkpointing)
     data = SyntheticDataModule(vocab_size=cfg["vocab_size"], block_size=cfg["block_size"], batch_size=batch,
                                num_samples=devices * (batch * accumulate * (steps + warmup) + batch))
+    run = bench_run(name, model_name, accumulate, batch, zoff_option, gpu_memory_gb, layers, checkpointing, ratio,
+                    clip)
+    if name == FABRIC_RUN:
+        from bench_fabric import run_fabric
+
+        family, model_kwargs, options = fabric_parts(model_name, zoff_options, layers, checkpointing)
+        return run_fabric(run, family, model_kwargs, ADAMW, options, data, accumulate=accumulate, steps=steps,
+                          warmup=warmup, batch=batch, devices=devices, block_size=cfg["block_size"],
+                          zoff_options=zoff_options, inexact_because=inexact_because(name, zoff_options), clip=clip)
+    build_module, strategy, precision = build_run(name, model_name, zoff_options, accumulate, ratio, layers,
+                                                  checkpointing)
     # DeepSpeed counts every micro-batch as an optimizer step (Lightning calls its step after each)
     steps_per_window = accumulate if getattr(strategy, "handles_gradient_accumulation", False) else 1
     timer = WindowTimer(accumulate)
@@ -207,8 +238,6 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
     else:
         forward, backward = statistics.median(timer.forward[measured]), statistics.median(timer.backward[measured])
         phase_source = "callback"
-    run = bench_run(name, model_name, accumulate, batch, zoff_option, gpu_memory_gb, layers, checkpointing, ratio,
-                    clip)
     deepspeed_config = None
     if name in DEEPSPEED_RUNS:  # what DeepSpeed got, Lightning's additions included
         deepspeed_config = json.loads(json.dumps(trainer.strategy.config, default=str))

@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from lightning_zoff import checkpoint_files
+from lightning_zoff.checkpoint import files as checkpoint_files
 
 
 def save_format_1(checkpoint: dict[str, Any], path: Path, rank: int, world_size: int, barrier) -> None:

@@ -21,8 +21,8 @@ from torch.multiprocessing import ProcessRaisedException
 
 from lightning_zoff import ZoffPrecision, ZoffStrategy
 from lightning_zoff.checkpoint import full_optimizer_state
-from lightning_zoff.checkpoint_files import CheckpointError, recover
-from lightning_zoff.consolidate import consolidate
+from lightning_zoff.checkpoint.consolidate import consolidate
+from lightning_zoff.checkpoint.files import CheckpointError, recover
 from resume_run import SaveBatch, resume_fit
 from safetensors_reader import nested, rank_file_tensors
 from tiny import TinyLM, TinyModule, read_probe, token_loader

@@ -19,9 +19,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from format_1 import SaveFormat1
 from lightning_zoff import ZoffPrecision, ZoffStrategy
-from lightning_zoff.checkpoint_files import CheckpointError
-from lightning_zoff.consolidate import consolidate
-from lightning_zoff.rank_files import RankFiles, Rows, Staging, chunk_start, file_name, write_rank_file
+from lightning_zoff.checkpoint.consolidate import consolidate
+from lightning_zoff.checkpoint.files import CheckpointError
+from lightning_zoff.checkpoint.rank_files import RankFiles, Rows, Staging, chunk_start, file_name, write_rank_file
 from resume_run import resume_fit
 from safetensors_reader import rank_file_tensors
 from tiny import TinyModule

@@ -10,7 +10,7 @@ import traceback
 import torch
 from torch import nn
 
-from lightning_zoff import _compat
+from lightning_zoff import _compat, _compat_lightning
 
 
 class Net(nn.Module):
@@ -117,14 +117,14 @@ def test_lightning_privates_zoff_builds_on():
 
     # the launchers zoff subclasses, with the methods it overrides or calls
     for name in ("_wrapping_function", "_collect_rank_zero_results", "_recover_results_in_main_process"):
-        assert callable(getattr(_compat.MultiProcessingLauncher, name))
-    assert callable(_compat.SubprocessScriptLauncher.launch)
-    assert _compat.WorkerOutput._fields[:2] == ("best_model_path", "weights_path")
-    params = list(inspect.signature(_compat.init_dist_connection).parameters)
+        assert callable(getattr(_compat_lightning.MultiProcessingLauncher, name))
+    assert callable(_compat_lightning.SubprocessScriptLauncher.launch)
+    assert _compat_lightning.WorkerOutput._fields[:2] == ("best_model_path", "weights_path")
+    params = list(inspect.signature(_compat_lightning.init_dist_connection).parameters)
     assert params[:2] == ["cluster_environment", "torch_distributed_backend"]
     assert params[-1] == "kwargs"  # timeout=
-    assert "reduce_op" in inspect.signature(_compat.sync_ddp_if_available).parameters
-    assert _compat.distributed_is_initialized() is False  # this process holds no process group
+    assert "reduce_op" in inspect.signature(_compat_lightning.sync_ddp_if_available).parameters
+    assert _compat_lightning.distributed_is_initialized() is False  # this process holds no process group
 
 
 def test_hf_init_weights_is_the_models_own_init():
@@ -143,28 +143,29 @@ def test_strategy_slots_that_lightning_reads():
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
     strategy = SingleDeviceStrategy("cpu")
-    assert _compat.strategy_precision_plugin(strategy) is None  # none set (Lightning's property makes up a default)
+    # none set (Lightning's property makes up a default)
+    assert _compat_lightning.strategy_precision_plugin(strategy) is None
     plugin = Precision()
-    _compat.set_strategy_precision_plugin(strategy, plugin)
+    _compat_lightning.set_strategy_precision_plugin(strategy, plugin)
     assert strategy.precision_plugin is plugin
-    assert _compat.strategy_precision_plugin(strategy) is plugin
-    launcher = _compat.MultiProcessingLauncher(strategy, start_method="fork")
-    _compat.set_strategy_launcher(strategy, launcher)
+    assert _compat_lightning.strategy_precision_plugin(strategy) is plugin
+    launcher = _compat_lightning.MultiProcessingLauncher(strategy, start_method="fork")
+    _compat_lightning.set_strategy_launcher(strategy, launcher)
     assert strategy.launcher is launcher  # Lightning's own property reads it
-    assert _compat.launcher_strategy(launcher) is strategy
+    assert _compat_lightning.launcher_strategy(launcher) is strategy
 
 
 def test_the_trainer_takes_zoffs_launcher_and_precision():
     import lightning.pytorch as pl
 
     from lightning_zoff import ZoffPrecision, ZoffStrategy
-    from lightning_zoff.launchers import ZoffMultiProcessingLauncher
+    from lightning_zoff.trainer.launchers import ZoffMultiProcessingLauncher
 
     # Lightning calls the strategy's `_configure_launcher` (zoff overrides it) and sets its precision plugin
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ZoffStrategy(start_method="fork"), logger=False,
                          precision="bf16-mixed")
     assert isinstance(trainer.strategy.launcher, ZoffMultiProcessingLauncher)
-    assert isinstance(_compat.strategy_precision_plugin(trainer.strategy), ZoffPrecision)
+    assert isinstance(_compat_lightning.strategy_precision_plugin(trainer.strategy), ZoffPrecision)
     assert trainer.strategy.precision_plugin.precision == "bf16-mixed"
 
 
@@ -245,13 +246,13 @@ def test_optimizers_of_reads_every_form_configure_optimizers_may_return():
 
     opt_a, opt_b = (torch.optim.AdamW([nn.Parameter(torch.zeros(2))]) for _ in range(2))
     scheduler = torch.optim.lr_scheduler.StepLR(opt_a, step_size=1)
-    assert _compat.optimizers_of(opt_a) == [opt_a]
-    assert _compat.optimizers_of([opt_a, opt_b]) == [opt_a, opt_b]
-    assert _compat.optimizers_of({"optimizer": opt_a, "lr_scheduler": scheduler}) == [opt_a]
-    assert _compat.optimizers_of(([opt_a], [scheduler])) == [opt_a]
-    assert _compat.optimizers_of([{"optimizer": opt_a}, {"optimizer": opt_b}]) == [opt_a, opt_b]
+    assert _compat_lightning.optimizers_of(opt_a) == [opt_a]
+    assert _compat_lightning.optimizers_of([opt_a, opt_b]) == [opt_a, opt_b]
+    assert _compat_lightning.optimizers_of({"optimizer": opt_a, "lr_scheduler": scheduler}) == [opt_a]
+    assert _compat_lightning.optimizers_of(([opt_a], [scheduler])) == [opt_a]
+    assert _compat_lightning.optimizers_of([{"optimizer": opt_a}, {"optimizer": opt_b}]) == [opt_a, opt_b]
     with pytest.raises(Exception, match="Unknown configuration"):
-        _compat.optimizers_of("adamw")
+        _compat_lightning.optimizers_of("adamw")
 
 
 def test_this_torch_lets_zoff_ask_for_expandable_cuda_segments():

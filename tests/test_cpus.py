@@ -1,6 +1,6 @@
 """How a node's cores are split among its ranks (what each rank logs as its thread layout)."""
 
-from lightning_zoff.cpus import core_share, plan_layout
+from lightning_zoff.launch.cpus import core_share, plan_layout
 
 
 def test_each_rank_gets_its_own_equal_slice():

@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zoff import ZoffPrecision, ZoffStrategy
-from lightning_zoff.checks import check_configured_optimizers
+from lightning_zoff.trainer.checks import check_configured_optimizers
 from tiny import TinyLM, TinyModule, token_loader
 
 
@@ -146,8 +146,8 @@ def run_refused(tmp_path: Path, *args: str) -> tuple[int, list[str], float, floa
     ("manual", "ValueError: strategy='zoff' supports automatic optimization only"),
     ("sgd", "TypeError: strategy='zoff' runs the optimizer step on the CPU and supports torch.optim.AdamW"),
     ("two", "ValueError: strategy='zoff' drives exactly one optimizer; configure_optimizers returned 2."),
-    ("missing", "lightning_zoff.checkpoint_files.CheckpointError: {ckpt}: no such checkpoint"),
-    ("foreign", "lightning_zoff.checkpoint_files.CheckpointError: {ckpt}: cannot be read"),
+    ("missing", "lightning_zoff.checkpoint.files.CheckpointError: {ckpt}: no such checkpoint"),
+    ("foreign", "lightning_zoff.checkpoint.files.CheckpointError: {ckpt}: cannot be read"),
 ])
 def test_refused_before_the_ranks_start_with_the_message_once(tmp_path, mistake, message):
     ckpt = tmp_path / ("notes.txt" if mistake == "foreign" else "missing.ckpt")
@@ -179,7 +179,7 @@ def checkpoint_of_another_model(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize(("mistake", "message"), [
     # every rank finds it when it compares the checkpoint with its model
-    ("other", r"(\[rank[01]\]: )lightning_zoff\.checkpoint_files\.CheckpointError: .*/meta\.pt: written for another"),
+    ("other", r"(\[rank[01]\]: )lightning_zoff\.checkpoint\.files\.CheckpointError: .*/meta\.pt: written for another"),
     # rank 1 alone: rank 0 then loses it in a collective, an error of its own that follows from rank 1's
     ("rank1", r"(\[rank1\]: )ValueError: rank 1 cannot go on"),
 ])
@@ -239,13 +239,13 @@ def test_bf16_moments_with_a_beta_that_cannot_decay_warn():
 
 
 def test_model_larger_than_host_memory_is_refused_before_it_is_sharded(monkeypatch):
-    from lightning_zoff import strategy
+    from lightning_zoff import training
     from lightning_zoff.offload.memory_plan import PlanDoesNotFit
 
     def never(*args, **kwargs):
         raise AssertionError("the model must not be sharded (nor its fp32 copies made) when the plan cannot fit")
 
-    monkeypatch.setattr(strategy, "shard_model", never)  # the forked rank inherits both
+    monkeypatch.setattr(training, "shard_model", never)  # the forked rank inherits both
     monkeypatch.setenv("ZOFF_HOST_MEMORY_BYTES", str(100_000))
     # 32-true: 16 B per element (master, moments, the 4-byte gradient); nothing fits on no memory but more ranks
     with fails(PlanDoesNotFit, r"does not fit the host \(0\.\d MB needed, 0\.0 MB usable\).*16 B per element on the"

@@ -211,7 +211,7 @@ class HeapGrowth(pl.Callback):
 def test_no_grad_forwards_under_zoff_do_not_grow_the_heap(tmp_path):
     # units of a few MB, which FSDP2 gathers and frees in every forward: with glibc's default threshold they come from
     # its heap after the first free, and the heap grows by 160-300 MB over these 56 forwards (about 2 MB with the
-    # threshold that lightning_zoff.malloc.fix_mmap_threshold keeps)
+    # threshold that lightning_zoff.launch.malloc.fix_mmap_threshold keeps)
     fit(GPTModule(block_size=64, n_layer=2, n_head=4, n_embd=256), HeapGrowth(tmp_path))
     growth = [json.loads((tmp_path / f"heap{r}.json").read_text()) for r in (0, 1)]
     assert max(growth) < 16 * 2**20, growth

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.multiprocessing import ProcessExitedException
 
 from lightning_zoff import ZoffStrategy
-from lightning_zoff.consolidate import consolidate
+from lightning_zoff.checkpoint.consolidate import consolidate
 from tiny import TinyModule, token_loader
 
 
@@ -122,7 +122,7 @@ def test_the_first_failing_rank_of_a_node_claims_the_message(tmp_path, monkeypat
     import sys
     import tempfile
 
-    from lightning_zoff import rank_errors
+    from lightning_zoff.launch import rank_errors
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setenv(rank_errors.ENV, "")  # restored (unset) after the test: prepare_node sets it

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.multiprocessing import ProcessRaisedException
 
 from lightning_zoff import ZoffStrategy
-from lightning_zoff.pretrained import OnDisk, to_module_names
+from lightning_zoff.checkpoint.pretrained import OnDisk, to_module_names
 from lightning_zoff.sharding import local_chunk
 from resume_run import SaveBatch
 from tiny import Probe, TinyModule, read_probe, token_loader

@@ -13,8 +13,8 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 
-from lightning_zoff import checkpoint_files
-from lightning_zoff.consolidate import consolidate
+from lightning_zoff.checkpoint import files as checkpoint_files
+from lightning_zoff.checkpoint.consolidate import consolidate
 from lightning_zoff.examples.gpt import GPTModule
 from lightning_zoff.examples.hf import HFCausalLM
 

@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zoff import ZoffStrategy
-from lightning_zoff.consolidate import consolidate
+from lightning_zoff.checkpoint.consolidate import consolidate
 from tiny import TinyModule, token_loader
 
 SCRIPT = Path(__file__).parent / "scripts" / "speak.py"

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from harness import call
-from lightning_zoff.rank_files import RankFiles, Rows, Staging, write_rank_file
+from lightning_zoff.checkpoint.rank_files import RankFiles, Rows, Staging, write_rank_file
 
 ROOT = Path(__file__).resolve().parents[2]
 

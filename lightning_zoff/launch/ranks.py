@@ -1,25 +1,24 @@
-"""A rank's process: its process group, its CPU cores, how the ranks start, and the collectives Lightning runs
-through the strategy. Functions of the strategy's state; `ZoffStrategy` calls them from its Lightning overrides."""
+"""A rank's process: its process group, its CPU cores, how the ranks start, and the reduction Lightning runs through
+the strategy. Functions of a strategy's state; both front doors call them from their overrides."""
 
 from __future__ import annotations
 
 import logging
-import os
 from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
-from lightning_zoff._compat import distributed_is_initialized, init_dist_connection, sync_ddp_if_available
-from lightning_zoff.cpus import CpuLayout, bind_rank, plan_layout
-from lightning_zoff.malloc import fix_mmap_threshold
-from lightning_zoff.node_log import speak_for_node
-from lightning_zoff.rank_errors import report_once_per_node
+from lightning_zoff._compat import expandable_cuda_segments
+from lightning_zoff._compat_lightning import init_dist_connection, sync_ddp_if_available
+from lightning_zoff.launch.cpus import CpuLayout, bind_rank, rank_layout
+from lightning_zoff.launch.malloc import fix_mmap_threshold
+from lightning_zoff.launch.node_log import speak_for_node
+from lightning_zoff.launch.rank_errors import report_once_per_node
 
 log = logging.getLogger("lightning_zoff")
 
@@ -49,29 +48,14 @@ def start_rank(environment: ClusterEnvironment, backend: str, timeout: timedelta
     init_dist_connection(environment, backend, timeout=timeout)
     speak_for_node(local_rank)
     report_once_per_node(local_rank)  # after init: torch's hook, which it wraps, prefixes the rank
-    layout = cpu_layout(local_rank, per_node, cpu_threads)
+    layout = rank_layout(local_rank, per_node, cpu_threads)
     binding = bind_rank(layout, device.type, offload)
     log.debug("zoff rank %d (local %d of %d): %s; %s", global_rank, local_rank, per_node, layout.describe(), binding)
     if device.type == "cpu":
         fix_mmap_threshold()  # FSDP2's buffers are host memory here: keep them from piling up in the heap
+    elif device.type == "cuda":
+        expandable_cuda_segments()  # "auto" places state by the memory the allocator reserved: no fragments
     return layout
-
-
-def cpu_layout(local_rank: int, per_node: int, cpu_threads: int | None) -> CpuLayout:
-    return plan_layout(sorted(os.sched_getaffinity(0)), local_rank, per_node, cpu_threads)
-
-
-def barrier() -> None:
-    if distributed_is_initialized():
-        dist.barrier()
-
-
-def broadcast(obj: Any, src: int = 0) -> Any:
-    if not distributed_is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src, group=dist.group.WORLD)
-    return box[0]
 
 
 def reduce(tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:

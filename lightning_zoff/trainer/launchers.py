@@ -26,11 +26,16 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 from typing_extensions import override
 
-from lightning_zoff import checkpoint_files
-from lightning_zoff._compat import MultiProcessingLauncher, SubprocessScriptLauncher, WorkerOutput, launcher_strategy
-from lightning_zoff.checks import check_configured_optimizers, check_supported
-from lightning_zoff.rank_errors import prepare_node
+from lightning_zoff._compat_lightning import (
+    MultiProcessingLauncher,
+    SubprocessScriptLauncher,
+    WorkerOutput,
+    launcher_strategy,
+)
+from lightning_zoff.checkpoint import files as checkpoint_files
+from lightning_zoff.launch.rank_errors import prepare_node
 from lightning_zoff.sharding import param_names
+from lightning_zoff.trainer.checks import check_configured_optimizers, check_supported
 
 # Set on the main process's LightningModule after a fit whose trained weights stayed in the ranks: it still holds
 # the weights it had before that fit. Loading weights into it clears the mark.

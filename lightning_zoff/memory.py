@@ -1,20 +1,22 @@
-"""ZoffStrategy's memory: the machine read once at setup, the plan checked before the model is sharded (and the
-activation checkpointing "auto" chooses from it), "auto"'s moves after steps, the lines that report them, and what an
-out-of-memory error says. The strategy owns one `Memory`; the bytes themselves are the engine's memory plan's."""
+"""A rank's memory, for either front door: the machine read once at setup, the plan checked before the model is
+sharded (and the activation checkpointing "auto" chooses from it), "auto"'s moves after steps, the lines that report
+them, and what an out-of-memory error says. `ShardedTraining` owns one `Memory`; the bytes themselves are the engine's
+memory plan's."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Generator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_zoff._compat import distributed_is_initialized, finish_failed_backward
-from lightning_zoff.node_log import log_for_node
+from lightning_zoff._compat import finish_failed_backward
+from lightning_zoff.config import ZoffConfig
+from lightning_zoff.launch.group import RankGroup, group_is_up
+from lightning_zoff.launch.node_log import log_for_node
 from lightning_zoff.offload import OffloadEngine, describe_memory
 from lightning_zoff.offload.memory_plan import (
     Machine,
@@ -29,15 +31,14 @@ from lightning_zoff.offload.memory_plan import (
 from lightning_zoff.offload.placement import Placement
 from lightning_zoff.sharding import forward_order, unit_shapes_before_sharding
 
-if TYPE_CHECKING:
-    from lightning_zoff.strategy import ZoffStrategy
-
 log = logging.getLogger("lightning_zoff")
 
 
 class Memory:
-    def __init__(self, strategy: ZoffStrategy) -> None:
-        self.strategy = strategy
+    """The memory of the rank `group` describes, under `config`."""
+
+    def __init__(self, config: ZoffConfig, group: RankGroup) -> None:
+        self.config, self.group = config, group
         self.machine: Machine | None = None  # read at setup
         self.report: dict[str, float] = {}  # the engine's memory report, after setup and after each move
         self._placing_by_peak = False  # "auto" on a GPU: after the next step, by its measured peak
@@ -46,9 +47,9 @@ class Memory:
     def read_machine(self) -> Machine:
         """The least memory any rank measured: every rank plans with the same numbers (they read the host at slightly
         different moments), so their plans and their reports agree."""
-        s = self.strategy
-        machine = measure_machine(s.root_device, s.num_processes)
-        if s.world_size > 1 and distributed_is_initialized():
+        g = self.group
+        machine = measure_machine(g.device, g.ranks_on_node)
+        if g.world_size > 1 and group_is_up():
             readings = torch.tensor([machine.host_available, machine.accelerator_capacity or -1], dtype=torch.float64)
             dist.all_reduce(readings, op=dist.ReduceOp.MIN)  # a CPU tensor: gloo, also under "cpu:gloo,cuda:nccl"
             host, accelerator = (int(v) for v in readings.tolist())
@@ -57,14 +58,13 @@ class Memory:
         return machine
 
     def check_before_sharding(self, module: nn.Module, units: list[tuple[str, nn.Module]],
-                              accumulate_grad_batches: int) -> set[type[nn.Module]]:
+                              accumulate_grad_batches: int, param_bytes: int) -> set[type[nn.Module]]:
         """Refuse a model whose optimizer state cannot fit this machine before any of it (or the sharded model) is
-        allocated: the engine's plan, assuming the optimizer trains every parameter that requires a gradient. The
-        module classes whose activations to recompute."""
-        s, config = self.strategy, self.strategy.config
+        allocated: the engine's plan, assuming the optimizer trains every parameter that requires a gradient, with
+        shards of `param_bytes` per element. The module classes whose activations to recompute."""
+        config = self.config
         assert self.machine is not None
-        param_bytes = s.precision_plugin.param_dtype.itemsize
-        shapes, model_bytes = unit_shapes_before_sharding(module, units, s.world_size, param_bytes)
+        shapes, model_bytes = unit_shapes_before_sharding(module, units, self.group.world_size, param_bytes)
         order = {name: i for i, name in enumerate(forward_order(module, units))}
         # Adam's two moments: the most any supported optimizer keeps
         options = StateOptions.of(config, param_bytes=param_bytes, moments=2,
@@ -89,16 +89,16 @@ class Memory:
 
     def engine_built(self, engine: OffloadEngine) -> None:
         """Report the new engine's memory and placement; "auto" on a GPU places more after the first step."""
-        config = self.strategy.config
+        config = self.config
         self._placing_by_peak = (config.offload and config.accelerator_state == "auto"
-                                 and self.strategy.root_device.type == "cuda")
+                                 and self.group.device.type == "cuda")
         self._moved_back = False
         self.report = engine.memory_report()
         r = self.report
         self._say(f"host {size(r['host_total'])} of {size(r['host_capacity'])} planned"
                   f" ({r['host_bytes_per_trained_param']:.1f} B/param), {int(r['spare_sets'])} spare set(s),"
                   f" {engine.threads} CPU thread(s)")
-        log.debug("zoff rank %d memory: %s", self.strategy.global_rank, describe_memory(r))
+        log.debug("zoff rank %d memory: %s", self.group.global_rank, describe_memory(r))
         if config.offload:
             self._say_placement(engine, f"{config.accelerator_state!r} at setup")
 
@@ -107,7 +107,7 @@ class Memory:
         some back to the host if it ate into it; after a move, the next step is checked again."""
         if not self._placing_by_peak:
             return
-        device = self.strategy.root_device
+        device = self.group.device
         peak = torch.cuda.max_memory_reserved(device)
         there, back = engine.place_by_peak(peak, more=not self._moved_back)
         self._moved_back = self._moved_back or bool(back)  # never forth again: no oscillation
@@ -123,38 +123,38 @@ class Memory:
     def _say_placement(self, engine: OffloadEngine, why: str) -> None:
         summary = engine.placement_summary()
         (accel, accel_bytes), (host, host_bytes) = summary["accelerator"], summary["host"]
-        where = "GPU" if self.strategy.root_device.type == "cuda" else "accelerator"
+        where = "GPU" if self.group.device.type == "cuda" else "accelerator"
         self._say(f"state: {accel} unit(s) on the {where} ({size(accel_bytes)}), {host} on the host"
                   f" ({size(host_bytes)}); {why}")
 
     def _say(self, line: str) -> None:
-        s = self.strategy
-        log_for_node(line, s.global_rank, s.local_rank, s.num_processes)
+        g = self.group
+        log_for_node(line, g.global_rank, g.local_rank, g.ranks_on_node)
 
-    def make_room_after_oom(self, engine: OffloadEngine) -> bool:
+    def make_room_after_oom(self, engine: OffloadEngine, module: nn.Module) -> bool:
         """A step ran the accelerator out of memory before its decision: forget its gradients and move state back to the
         host where it has room, so the same batch can run again (nothing was applied: the result is exact). Whether
         anything moved; "auto" moves nothing there again."""
-        finish_failed_backward(self.strategy.module)
+        finish_failed_backward(module)
         engine.abandon_window()
-        moved = engine.make_room() if self.strategy.config.offload else []
+        moved = engine.make_room() if self.config.offload else []
         if not moved:
             return False
         self._moved_back = True
-        if self.strategy.root_device.type == "cuda":
+        if self.group.device.type == "cuda":
             torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.strategy.root_device)
+            torch.cuda.reset_peak_memory_stats(self.group.device)
         self.report = engine.memory_report()
         self._say_placement(engine, f"a step ran out of memory there, {len(moved)} moved back; the batch runs again")
         return True
 
     @contextmanager
-    def explaining_oom(self) -> Generator[None, None, None]:
+    def explaining_oom(self, engine: OffloadEngine | None) -> Generator[None, None, None]:
         """zoff chose to keep optimizer state on the accelerator; a later, larger step must not die unexplained."""
         try:
             yield
         except torch.OutOfMemoryError as err:
-            engine, config = self.strategy.engine, self.strategy.config
+            config = self.config
             units, nbytes = engine.placement_summary()["accelerator"] if engine is not None else (0, 0)
             if not units or not config.offload:
                 raise

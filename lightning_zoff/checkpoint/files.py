@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from lightning_zoff import dcp_files, rank_files
-from lightning_zoff.rank_files import RankFileError, RankFiles, Rows, Staging
+from lightning_zoff.checkpoint import dcp_files, rank_files
+from lightning_zoff.checkpoint.rank_files import RankFileError, RankFiles, Rows, Staging
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # 1: the DCP directories of `dcp_files`

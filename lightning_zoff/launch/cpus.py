@@ -37,6 +37,11 @@ def plan_layout(cores: Sequence[int], local_rank: int, local_ranks: int, kernel_
     return CpuLayout(share, kernel_threads, max(1, len(share) - kernel_threads))
 
 
+def rank_layout(local_rank: int, per_node: int, cpu_threads: int | None) -> CpuLayout:
+    """This rank's layout among the cores this process may use."""
+    return plan_layout(sorted(os.sched_getaffinity(0)), local_rank, per_node, cpu_threads)
+
+
 def apply_layout(layout: CpuLayout) -> None:
     """Confine this process (and the threads it starts from now on) to its cores and size torch's pool."""
     import torch

@@ -9,7 +9,7 @@ import warnings
 import torch.distributed as dist
 from typing_extensions import override
 
-from lightning_zoff.cpus import _ranges
+from lightning_zoff.launch.cpus import _ranges
 
 log = logging.getLogger("lightning_zoff")  # every zoff module logs through this one logger
 

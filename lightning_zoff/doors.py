@@ -1,0 +1,119 @@
+"""What the two front doors (`trainer.ZoffStrategy`, `fabric.ZoffFabricStrategy`) share: the rank's
+`ShardedTraining`, the views of it benchmarks and callbacks read, where the rank stands, how the ranks start and the
+collectives. Each door mixes this in before its Lightning base class, whose rank and device attributes it reads and
+whose methods of the same names it stands in for."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.environments import ClusterEnvironment
+
+from lightning_zoff._compat_lightning import set_strategy_launcher
+from lightning_zoff.config import ZoffConfig
+from lightning_zoff.launch import group as rank_group, ranks
+from lightning_zoff.launch.cpus import CpuLayout
+from lightning_zoff.launch.group import RankGroup
+from lightning_zoff.offload import OffloadEngine, StepOutcome
+from lightning_zoff.training import ShardedTraining
+
+
+class FrontDoor:
+    # the door's launchers: Lightning's script re-run (start_method="subprocess"), or its multiprocessing one
+    script_launcher: Callable[[ClusterEnvironment, int, int], Any]
+    process_launcher: Callable[..., Any]
+    config: ZoffConfig
+    training: ShardedTraining | None
+    _cpu_layout: CpuLayout | None
+    # the Lightning strategy's own
+    parallel_devices: list[torch.device] | None
+    cluster_environment: ClusterEnvironment | None
+    local_rank: int
+    global_rank: int
+    node_rank: int
+    world_size: int
+    num_nodes: int
+
+    @property
+    def engine(self) -> OffloadEngine | None:
+        return self.training.engine if self.training is not None else None
+
+    @property
+    def last_step(self) -> StepOutcome | None:
+        """The last optimizer step's outcome: its gradient norm, clip factor, whether it was skipped."""
+        return self.training.last_step if self.training is not None else None
+
+    @property
+    def telemetry(self) -> dict[str, float]:
+        """The last step's breakdown (forward, backward, exposed optimizer time, bytes moved), as logged."""
+        return self.training.telemetry if self.training is not None else {}
+
+    @property
+    def memory_report(self) -> dict[str, float]:
+        """The engine's memory by kind and side, as last reported (setup, or after "auto" moved state)."""
+        return self.training.memory.report if self.training is not None else {}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's state dict with fp32 master weights, on every rank (a collective)."""
+        return self._training().full_state_dict()
+
+    def _training(self) -> ShardedTraining:
+        if self.training is None:
+            group = RankGroup(self.root_device, self.world_size, self.global_rank, self.local_rank,
+                              self.num_processes)
+            self.training = ShardedTraining(self.config, group, self._cpu_layout)
+        return self.training
+
+    # -- where the rank stands ------------------------------------------------------------------------------
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str:
+        return self.config.process_group_backend or ranks.default_backend(self.root_device)
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally:
+            return
+        if self.config.start_method == "subprocess":
+            launcher = self.script_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            launcher = self.process_launcher(self, start_method=self.config.start_method)
+        set_strategy_launcher(self, launcher)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()  # type: ignore[misc]  # the Lightning strategy's, next in the door's bases
+        self._start_rank()
+
+    def barrier(self, name: str | None = None) -> None:
+        rank_group.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return rank_group.broadcast(obj, src)
+
+    def _set_world_ranks(self) -> None:
+        ranks.set_world_ranks(self.cluster_environment, self.node_rank, self.local_rank, self.num_processes,
+                              self.num_nodes)
+
+    def _start_rank(self) -> None:
+        """Join the process group and take this rank's share of the CPU cores (in `setup_environment`)."""
+        self._set_world_ranks()
+        assert self.cluster_environment is not None
+        self._cpu_layout = ranks.start_rank(
+            self.cluster_environment, self.process_group_backend, self.config.timeout, device=self.root_device,
+            global_rank=self.global_rank, local_rank=self.local_rank, per_node=self.num_processes,
+            cpu_threads=self.config.cpu_threads, offload=self.config.offload)

@@ -1,0 +1,180 @@
+"""One rank's sharded training, for either front door: the model sharded into FSDP2 units with its fp32 masters cut
+off, the engine that owns the optimizer state (`offload/engine.py` tells a gradient's whole path), the memory that
+plans and reports it, the checkpoints, and the step's timing.
+
+The Trainer's `ZoffStrategy` and Fabric's `ZoffFabricStrategy` each hold one `ShardedTraining` and translate their
+framework's calls into these few: `shard`, `build_engine`, `forward`, `backward`, `step`, and the checkpoint methods.
+Nothing here imports Lightning.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from lightning_zoff.checkpoint.checkpoints import Checkpoints
+from lightning_zoff.config import ZoffConfig
+from lightning_zoff.launch.cpus import CpuLayout, rank_layout, torch_threads
+from lightning_zoff.launch.group import RankGroup
+from lightning_zoff.memory import Memory
+from lightning_zoff.offload import OffloadEngine, StepOutcome
+from lightning_zoff.precision_math import PrecisionMath
+from lightning_zoff.sharding import checkpoint_activations, forward_order, is_sharded, plan_units, shard_model
+from lightning_zoff.telemetry import StepTimer, step_metrics
+
+log = logging.getLogger("lightning_zoff")
+
+
+class ShardedTraining:
+    """The sharded model, engine, memory and checkpoints of the rank `group` describes, under `config`. `cpu_layout`:
+    the rank's cores as its launch gave them (default: its share of the cores this process may use)."""
+
+    def __init__(self, config: ZoffConfig, group: RankGroup, cpu_layout: CpuLayout | None = None) -> None:
+        self.config, self.group = config, group
+        self.cpu_layout = cpu_layout or rank_layout(group.local_rank, group.ranks_on_node, config.cpu_threads)
+        self.memory = Memory(config, group)
+        self.checkpoints = Checkpoints(config, group)
+        self.module: nn.Module | None = None
+        self.engine: OffloadEngine | None = None
+        self.units: list[tuple[str, nn.Module]] = []
+        self.masters: dict[int, torch.Tensor] = {}  # fp32 shards by id of the parameter, until an engine takes them
+        self.last_step: StepOutcome | None = None
+        self.telemetry: dict[str, float] = {}  # the last step's, for callbacks and benchmarks
+        self.timer = StepTimer(group.device)
+
+    # -- setup ----------------------------------------------------------------------------------------------
+
+    def shard(self, module: nn.Module, param_dtype: torch.dtype, *, fitting: bool,
+              accumulate_grad_batches: int = 1) -> None:
+        """Shard `module` in place into FSDP2 units of `param_dtype` shards, keeping this rank's fp32 masters, unless it
+        came sharded. When `fitting` with offload, a model whose optimizer state cannot fit is refused first, before
+        anything is allocated. A module built on the meta device is materialised a unit at a time."""
+        self.module = module
+        if is_sharded(module):
+            return
+        self.close_engine()  # an earlier fit's, of another model
+        self.units = plan_units(module, self.config.wrap_policy)
+        self.memory.read_machine()
+        policy = self.config.activation_checkpointing_policy
+        recomputed: set[type[nn.Module]] = set() if policy == "auto" else set(policy)
+        if fitting and self.config.offload:
+            recomputed = self.memory.check_before_sharding(module, self.units, accumulate_grad_batches,
+                                                           param_dtype.itemsize)
+        checkpoint_activations(module, recomputed)
+        mesh = init_device_mesh(self.group.device.type, (self.group.world_size,))
+        with torch_threads(len(self.cpu_layout.cores)):  # meta init and master copies: no kernels run yet
+            self.masters = shard_model(module, self.units, mesh, param_dtype, self.config.param_init_fn)
+        module.to(self.group.device)  # buffers and anything FSDP2 did not move
+
+    def build_engine(self, optimizer: torch.optim.Optimizer, accumulate_grad_batches: int = 1) -> OffloadEngine:
+        """The engine that steps `optimizer` over the sharded module from now on. A new optimizer starts from fresh
+        state, as under every Lightning strategy; the fp32 masters of an earlier engine carry over."""
+        module = self._module()
+        if self.engine is not None:
+            self.masters = self.engine.fp32_shards()
+            self.close_engine()
+        threads = self.cpu_layout.kernel_threads
+        machine = self.memory.machine or self.memory.read_machine()  # read at setup, unless the model came sharded
+        with torch_threads(max(torch.get_num_threads(), threads)):  # the host state's first copies
+            self.engine = OffloadEngine(self.units, self.masters, optimizer, self.config,
+                                        world_size=self.group.world_size, machine=machine,
+                                        accumulate_grad_batches=accumulate_grad_batches, threads=threads,
+                                        forward_order=forward_order(module, self.units))
+        self.engine.attach()
+        self.masters = {}
+        self.memory.engine_built(self.engine)
+        return self.engine
+
+    # -- the step -------------------------------------------------------------------------------------------
+
+    @contextmanager
+    def forward(self) -> Iterator[None]:
+        with self.timer.measure("forward"), self.memory.explaining_oom(self.engine):
+            yield
+
+    @contextmanager
+    def backward(self, window_ends: bool, loss_scale: float) -> Iterator[None]:
+        """Around one backward; `window_ends`: it is its window's last (the step follows)."""
+        engine = self._engine()
+        engine.begin_backward(window_ends=window_ends, loss_scale=loss_scale)
+        with self.timer.measure("backward"), self.memory.explaining_oom(engine):
+            yield
+            engine.after_backward()
+
+    def step(self, optimizer: torch.optim.Optimizer, precision: PrecisionMath, step_index: int) -> StepOutcome:
+        """The window's step: with overlap this waits for its last gradients to land and decides (the updates run on
+        the worker); without, it also updates. The loss scale follows the outcome."""
+        engine = self._engine()
+        with self.timer.measure("exposed_optimizer"):
+            outcome = engine.step(optimizer, precision.take_clip_request(), precision.loss_scale)
+        self.last_step = outcome
+        if precision.scaler is not None:
+            precision.scaler.update(overflow=outcome.skipped)
+        placing = time.perf_counter()
+        self.memory.after_step(engine)  # "auto" on a GPU: moves by this step's peak, after its host updates
+        placement_s = time.perf_counter() - placing
+        # on CUDA the phase times come a step late (see StepTimer); the gate's wait travels with its own window
+        times = self.timer.end_window(gate_wait=engine.take_gate_wait())
+        self.telemetry = step_metrics(times, engine.take_traffic(), outcome.grad_norm, outcome.skipped,
+                                      precision.loss_scale) | {"zoff/placement_s": placement_s}
+        if outcome.skipped:
+            log.warning("zoff: non-finite gradient (norm %s) at step %d: step skipped, nothing changed%s",
+                        outcome.grad_norm, step_index,
+                        f"; loss scale now {precision.loss_scale:g}" if precision.scaler is not None else "")
+        return outcome
+
+    def make_room_after_oom(self) -> bool:
+        """After a window's step ran out of accelerator memory before its decision: state moved back to the host so
+        the same batch can run again (`Memory.make_room_after_oom`); whether any moved."""
+        return self.memory.make_room_after_oom(self._engine(), self._module())
+
+    # -- checkpoints (`Checkpoints`, with this rank's module and engine) --------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.checkpoints.module_state_dict(self._module(), self.engine)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """None before the engine exists (the door's own then)."""
+        return self.checkpoints.optimizer_state(self._module(), self.engine, optimizer)
+
+    def load(self, path: Any, optimizer: torch.optim.Optimizer | None, weights_only: bool | None = None
+             ) -> dict[str, Any]:
+        """Restore the weights, and the `optimizer`'s state if given; the rest of the checkpoint, for the door."""
+        return self.checkpoints.load(path, self._module(), self.engine, self.masters, optimizer, weights_only)
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor] | str | Path, strict: bool = True,
+                             prefix: str | None = None) -> None:
+        """Whole weights into the sharded model (`Checkpoints.load_full_state_dict`)."""
+        self.checkpoints.load_full_state_dict(self._module(), self.engine, state_dict, strict, prefix)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's state dict with fp32 master weights, on every rank (a collective)."""
+        return self.checkpoints.full_state_dict(self._module(), self._engine())
+
+    # -- lifetime -------------------------------------------------------------------------------------------
+
+    def detach(self) -> None:
+        """The end of a run: the engine's thread ends and its hooks go; its state stays for checkpoints."""
+        if self.engine is not None:
+            self.engine.detach()
+
+    def close_engine(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    def _module(self) -> nn.Module:
+        assert self.module is not None, "zoff: no module is set up yet"
+        return self.module
+
+    def _engine(self) -> OffloadEngine:
+        assert self.engine is not None, "zoff: no optimizer is set up yet"
+        return self.engine
