@@ -13,7 +13,8 @@ policy="auto"`) and the all-gathers, gradients and logits of one step (`step_byt
 give its sizes with --layers (default: the zoff predictions and 20 layers).
 
 Writes {"machine", "command", "largest": {run: params of the largest that trained, 0 if none}, "predicted": {run:
-layers}, "tries": [bench entries with "layers", "params", "outcome" ("trained" or the failure's)]}.
+layers, as predicted before any try}, "tries": [bench entries with "layers", "params", "outcome" ("trained" or the
+failure's)]}.
 """
 
 from __future__ import annotations
@@ -138,16 +139,17 @@ def main() -> None:
               "largest": {}}
     for run in args.runs:
         sizes = [predicted[run], predicted[run] + args.step_layers] if run in predicted else (args.layers or [20])
-        trained, downs = 0, 0
+        trained, downs, below = 0, 0, predicted.get(run)
         while sizes:
             layers = sizes.pop(0)
             entry = try_size(args, run, layers)
             record["tries"].append({"run": run, **entry})
             if entry["outcome"] == "trained":
                 trained = max(trained, entry["params"])
-            elif run in predicted and layers == predicted[run] and layers > args.step_layers and downs < 2:
-                sizes = [layers - args.step_layers]  # the prediction was too much: the size below (twice at most)
-                predicted[run], downs = layers - args.step_layers, downs + 1
+            elif run in predicted and layers == below and layers > args.step_layers and downs < 2:
+                # the prediction (kept as it was made) was too much: the size below, twice at most
+                below, downs = layers - args.step_layers, downs + 1
+                sizes = [below]
             out.write_text(json.dumps(record, indent=1))
         key = "deepspeed" if run.startswith("deepspeed") else run
         record["largest"][key] = max(record["largest"].get(key, 0), trained)
