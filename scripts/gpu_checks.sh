@@ -90,6 +90,12 @@ for stage in "$@"; do
       b="python3 scripts/bench.py --model gpt13b --batch 4 --warmup 2 --runs zoff --run-timeout-s 280"
       timeout 300 $b --accumulate 1 --steps 20 --out "$OUT/gpt13b_b4_zoff.json" 2>&1 | grep -v "^INFO" | tail -3 | tee "$OUT/gpt13b_speed.txt"
       timeout 300 $b --accumulate 4 --steps 10 --out "$OUT/gpt13b_b4_zoff_acc4.json" 2>&1 | grep -v "^INFO" | tail -3 | tee -a "$OUT/gpt13b_speed.txt" ;;
+    speed_first)  # one call's worth of the speed runs, most wanted first: 13B default (20 steps), 13B acc 4, 64 layers bf16
+      b="python3 scripts/bench.py --model gpt13b --batch 4 --warmup 2 --runs zoff"
+      timeout 210 $b --accumulate 1 --steps 20 --run-timeout-s 200 --out "$OUT/gpt13b_b4_zoff.json" 2>&1 | grep -v "^INFO" | tail -2 | tee "$OUT/speed_first.txt"
+      timeout 190 $b --accumulate 4 --steps 10 --run-timeout-s 180 --out "$OUT/gpt13b_b4_zoff_acc4.json" 2>&1 | grep -v "^INFO" | tail -2 | tee -a "$OUT/speed_first.txt"
+      left=$(( ${SPEED_BUDGET:-580} - SECONDS ))
+      [ $left -gt 120 ] && timeout $left $b --accumulate 1 --steps 10 --layers 64 --run-timeout-s $((left - 5)) --zoff-option "optimizer_state_dtype='bf16'" --out "$OUT/gpt_64l_b4_zoff_bf16_moments.json" 2>&1 | grep -v "^INFO" | tail -2 | tee -a "$OUT/speed_first.txt" ;;
     gpt13b_variants)  # the 13B GPT with bf16 moments, and without clipping (speculation can be kept)
       b="python3 scripts/bench.py --model gpt13b --batch 4 --accumulate 1 --warmup 2 --steps 10 --runs zoff --run-timeout-s 250"
       timeout 270 $b --zoff-option "optimizer_state_dtype='bf16'" --out "$OUT/gpt13b_b4_zoff_bf16_moments.json" 2>&1 | grep -v "^INFO" | tail -3 | tee "$OUT/gpt13b_variants.txt"
