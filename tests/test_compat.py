@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import traceback
 
+import pytest
 import torch
 from torch import nn
 
@@ -97,6 +98,34 @@ def _check_streams(net) -> None:
 
 def test_all_gather_streams_are_found():
     run_in_one_rank(_check_streams)
+
+
+def _check_finish_failed_backward(net) -> None:
+    x = torch.randn(2, 4)
+
+    def fail(grad):
+        raise torch.OutOfMemoryError("injected")
+
+    out = net(x, use_b=True)
+    out.register_hook(fail)
+    with pytest.raises(torch.OutOfMemoryError):
+        out.sum().backward()
+    _compat.finish_failed_backward(net)
+    # FSDP2 starts over: the next backwards reduce every gradient, the same ones each time
+    grads = []
+    for _ in range(2):
+        net.zero_grad(set_to_none=True)
+        net(x, use_b=True).sum().backward()
+        grads.append(net.a.weight.grad.to_local().clone())
+    assert torch.equal(grads[0], grads[1])
+    torch.manual_seed(0)  # the net as it was built, unsharded: autograd's own gradient
+    reference = Net()
+    reference(x, use_b=True).sum().backward()
+    torch.testing.assert_close(grads[0], reference.a.weight.grad)
+
+
+def test_finish_failed_backward_lets_fsdp2_train_on():
+    run_in_one_rank(_check_finish_failed_backward)
 
 
 def test_fused_adam_step_is_torchs_adamw():
