@@ -91,12 +91,16 @@ def test_what_cannot_fit_is_refused_with_the_numbers_and_what_would_fit():
     # update's workspace (0.27) + the model's 10 + the margin (2 GiB) does not fit the GPU; "auto" puts 2 units there
     with pytest.raises(PlanDoesNotFit, match=(
             r"does not fit the accelerator \(48\.4 GB needed before activations: model 10\.0 GB, optimizer state 36\.3"
-            r" GB, margin 2\.1 GB; 40\.0 GB usable\) .* Options that fit: optimizer_state_dtype='bf16' \(moments in 2"
-            r" bytes each\); accelerator_state='auto'")):
+            r" GB, margin 2\.1 GB; 40\.0 GB usable\) .* Options that fit \(checked by the plan\):"
+            r" optimizer_state_dtype='bf16' \(moments in 2 bytes each\): fits with .* to spare on the host and .* on"
+            r" the accelerator before activations; accelerator_state='auto': fits with")):
         plan_memory(BLOCKS, BF16_ADAM, machine(60, 40), 0.5, model_bytes=10 * 10**9)
     # all on the host: 84 GB and one unit's fp32 copy while its state is built, on a 60 GB host
     with pytest.raises(PlanDoesNotFit, match=r"does not fit the host \(88\.0 GB needed, 60\.0 GB usable\).*"
-                                             r"Options that fit: accelerator_state='auto'"):
+                                             r"Options that fit \(checked by the plan\): accelerator_state='auto'"
+                                             # the host holds 4 units (56 GB) and a unit's fp32 copy (4 GB): 0 left;
+                                             # the GPU 200 less the model 10, 2 x 12, the workspace 0.27, the margin 10
+                                             r": fits with 0\.0 MB to spare on the host and 155\.7 GB on the"):
         plan_memory(BLOCKS, BF16_ADAM, machine(60, 200), "none", model_bytes=10 * 10**9)
     # the fp32 copies the state is built from count too: 6 x 4 GB held while the first units' state is made
     with pytest.raises(PlanDoesNotFit, match="the host"):

@@ -401,17 +401,29 @@ def _refusal(plan: MemoryPlan, problems: list[str], accelerator_state: str | flo
              " accelerator)."]
     fits = []
     if options.moment_bytes == 4:
-        smaller = replace(options, moment_bytes=2)
-        if _fits(plan, smaller, accelerator_state, masters_bytes):
-            fits.append("optimizer_state_dtype='bf16' (moments in 2 bytes each)")
+        smaller = _placed(replace(plan, options=replace(options, moment_bytes=2)), accelerator_state)
+        if not smaller.problems(masters_bytes):
+            fits.append(f"optimizer_state_dtype='bf16' (moments in 2 bytes each): {_to_spare(smaller, masters_bytes)}")
     for state in ("auto", 0.25, 0.5, 0.75, 1.0):
-        if state != accelerator_state and _fits(plan, options, state, masters_bytes):
-            fits.append(f"accelerator_state={state!r}")
+        placed = _placed(plan, state)
+        if state != accelerator_state and not placed.problems(masters_bytes):
+            fits.append(f"accelerator_state={state!r}: {_to_spare(placed, masters_bytes)}")
             break
-    text = "Options that fit: " + "; ".join(fits) + ". " if fits else ""
-    return (lines[0] + " " + text + "Other ways: activation checkpointing (ZoffStrategy("
-            "activation_checkpointing_policy={YourBlock})) and a smaller batch leave the accelerator more room for"
-            " state; more ranks (GPUs or nodes) split the state among them.")
+    text = "Options that fit (checked by the plan): " + "; ".join(fits) + ". " if fits else ""
+    return (lines[0] + " " + text + "Beyond the plan, which counts no activations: activation checkpointing"
+            " (ZoffStrategy(activation_checkpointing_policy={YourBlock})) and a smaller batch leave the accelerator"
+            " more room for state; more ranks (GPUs or nodes) split the state among them.")
+
+
+def _to_spare(plan: MemoryPlan, masters_bytes: int) -> str:
+    """What a plan that fits leaves free on each side."""
+    host = plan.machine.host_capacity - plan.host_setup_peak(masters_bytes)
+    text = f"fits with {size(host)} to spare on the host"
+    capacity = plan.machine.accelerator_capacity
+    if capacity is not None:
+        accelerator = capacity - plan.model_bytes - plan.accelerator_bytes - plan.machine.accelerator_margin
+        text += f" and {size(accelerator)} on the accelerator before activations"
+    return text
 
 
 def _fits(plan: MemoryPlan, options: StateOptions, accelerator_state: str | float, masters_bytes: int) -> bool:
