@@ -148,7 +148,9 @@ def expandable_cuda_segments() -> bool:
     memory it reserved. Whether it was set."""
     if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ:
         return False
-    set_settings = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    # torch >= 2.10 names the setter per accelerator (the CUDA one warns that it is deprecated there)
+    set_settings = (getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+                    or getattr(torch.cuda.memory, "_set_allocator_settings", None))
     if set_settings is None:
         return False
     set_settings("expandable_segments:True")

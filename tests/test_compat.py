@@ -286,4 +286,4 @@ def test_optimizers_of_reads_every_form_configure_optimizers_may_return():
 
 def test_this_torch_lets_zoff_ask_for_expandable_cuda_segments():
     # set on CUDA ranks only, so this CPU run checks the setter zoff calls is there (the GPU run uses it)
-    assert callable(torch.cuda.memory._set_allocator_settings)
+    assert callable(torch._C._accelerator_setAllocatorSettings)
