@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_zoff import checkpoint_files
+from lightning_zoff.checkpoint import files as checkpoint_files
 from test_main_job import ROOT, SMALL, load_weights, train
 
 TESTS = Path(__file__).resolve().parent
