@@ -23,11 +23,11 @@ from lightning_zoff.offload.memory_plan import (
     MemoryPlan,
     StateOptions,
     accelerator_holds_all,
-    back_for_room,
     measure_machine,
     plan_memory,
     size,
 )
+from lightning_zoff.offload.moves import back_for_room
 from lightning_zoff.offload.placement import Placement
 from lightning_zoff.sharding import forward_order, unit_shapes_before_sharding
 

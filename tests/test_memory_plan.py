@@ -12,12 +12,11 @@ from lightning_zoff.offload.memory_plan import (
     PlanDoesNotFit,
     StateOptions,
     UnitShape,
-    fewer_for_accelerator,
     host_bytes_per_element,
-    more_for_accelerator,
     plan_memory,
     unit_buffers,
 )
+from lightning_zoff.offload.moves import fewer_for_accelerator, more_for_accelerator
 from lightning_zoff.offload.placement import Placement
 
 BF16_ADAM = StateOptions(param_bytes=2, moment_bytes=4, moments=2, sum_bytes=0)

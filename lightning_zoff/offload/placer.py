@@ -16,12 +16,10 @@ from lightning_zoff.offload.memory_plan import (
     Machine,
     MemoryPlan,
     StateOptions,
-    back_for_room,
-    fewer_for_accelerator,
-    more_for_accelerator,
     plan_memory,
     unit_shape,
 )
+from lightning_zoff.offload.moves import back_for_room, fewer_for_accelerator, more_for_accelerator
 from lightning_zoff.offload.scheduler import SparePool
 from lightning_zoff.offload.unit_state import Placement, SpareSet, UnitState, relocate
 
