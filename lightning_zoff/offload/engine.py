@@ -388,13 +388,11 @@ class OffloadEngine:
         if self.scheduler is not None:
             self.scheduler.decided(as_speculated=self.scheduler.speculating)  # queued speculations are stale
             self.scheduler.wait_idle()
+        self._restore_shards()
         for unit in self.units:
             if self.scheduler is not None:
                 self.scheduler.release(unit)
-            if unit.grad_in_shards:
-                self._send(unit, unit.trained, None, non_blocking=False)
             unit.speculation, unit.sumsq, unit.window_grad, unit.device_sum = None, None, None, None
-            unit.grad_in_shards = False
             unit.used = [False] * len(unit.used)
             unit.phase = Phase.EMPTY
             unit.staging_free.set()
@@ -448,8 +446,8 @@ class OffloadEngine:
 
     @torch.no_grad()
     def _restore_shards(self) -> None:
-        """Units whose shards hold a gradient no step took (a fit that ended between backward and step): make the
-        shards the cast of their masters again, so the model's weights are the state's."""
+        """Units whose shards hold a gradient no step took (a fit that ended, or a step that failed, between backward
+        and step): make the shards the cast of their masters again, so the model's weights are the state's."""
         for unit in self.units:
             if unit.grad_in_shards:
                 self._send(unit, unit.trained, None, non_blocking=False)
