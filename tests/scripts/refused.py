@@ -5,8 +5,12 @@ mistake and argv[2], where given, the checkpoint to resume from.
 - `missing`: a ckpt_path that does not exist; `foreign`: a ckpt_path that is no zoff checkpoint;
 - `other`: a zoff checkpoint of another model (known in the ranks only: each rank compares it with its model);
 - `rank1`: rank 1 alone fails in its first training step (rank 0 then loses it in a collective).
+
+With `REFUSED_TRACE` naming a file, the script appends a line there for each heavy thing it does: a rank other than 0
+started (Lightning re-ran this script for it), a process group joined, a model sharded.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -15,8 +19,29 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 import lightning.pytorch as pl
 import torch
 
-from lightning_zoff import ZoffStrategy
+from lightning_zoff import ZoffStrategy, training
 from tiny import TinyModule, token_loader
+
+TRACE = os.environ.get("REFUSED_TRACE")
+
+
+def record(event: str) -> None:
+    if TRACE:
+        with open(TRACE, "a") as trace:
+            trace.write(event + "\n")
+
+
+def traced(event: str, function):
+    def call(*args, **kwargs):
+        record(event)
+        return function(*args, **kwargs)
+    return call
+
+
+if os.environ.get("LOCAL_RANK", "0") != "0":
+    record(f"rank {os.environ['LOCAL_RANK']} started")
+torch.distributed.init_process_group = traced("process group", torch.distributed.init_process_group)
+training.shard_model = traced("sharded", training.shard_model)
 
 
 class Refused(TinyModule):
