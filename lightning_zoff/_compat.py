@@ -14,8 +14,8 @@ from torch.distributed.utils import _apply_to_tensors
 
 __all__ = [
     "all_gather_streams", "apply_to_tensors", "before_reduce", "checkpoint_activations_of", "dcp_data_extents",
-    "direct_tensors", "fsdp_param_group", "fused_adam_step", "hf_init_weights", "is_view", "replace_direct_tensor",
-    "restore_post_backward", "unit_params",
+    "direct_tensors", "fsdp_param_group", "fused_adam_step", "hf_init_weights", "init_as_root", "is_view",
+    "replace_direct_tensor", "restore_post_backward", "unit_modules", "unit_params",
 ]
 
 
@@ -74,6 +74,16 @@ def hf_init_weights(owner: nn.Module, module: nn.Module) -> None:
 
 
 # -- FSDP2 --------------------------------------------------------------------------------------------------------
+
+def init_as_root(module: nn.Module) -> None:
+    """FSDP2's lazy initialisation of the `fully_shard`ed `module` as the root of every unit under it: what FSDP2 runs
+    at its root's first forward (the units share its context from then on; none becomes a root of its own)."""
+    module._get_fsdp_state()._lazy_init()  # type: ignore[operator]
+
+
+def unit_modules(module: nn.Module) -> tuple[nn.Module, ...]:
+    """Every module of the unit `module` belongs to: itself, or the modules `fully_shard([a, b])` grouped with it."""
+    return tuple(module._get_fsdp_state()._modules)  # type: ignore[operator]
 
 
 def fsdp_param_group(module: nn.Module) -> Any:
@@ -165,7 +175,7 @@ def finish_failed_backward(module: nn.Module) -> None:
 
     units = [m for m in module.modules() if isinstance(m, FSDPModule)]
     if units:
-        state = units[0]._get_fsdp_state()  # the outermost unit: the root, whose context every unit shares
+        state = units[0]._get_fsdp_state()  # every unit shares the root's context (`sharding.share_one_root`)
         if state._state_ctx.post_backward_final_callback_queued:
             state._root_post_backward_final_callback()
     for unit in units:

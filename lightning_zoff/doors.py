@@ -27,6 +27,7 @@ class FrontDoor:
     config: ZoffConfig
     training: ShardedTraining | None
     _cpu_layout: CpuLayout | None
+    root_runs_forward: bool  # whether the training loop calls the model itself (Fabric) or training_step (Trainer)
     # the Lightning strategy's own
     parallel_devices: list[torch.device] | None
     cluster_environment: ClusterEnvironment | None
@@ -63,7 +64,8 @@ class FrontDoor:
         if self.training is None:
             group = RankGroup(self.root_device, self.world_size, self.global_rank, self.local_rank,
                               self.num_processes)
-            self.training = ShardedTraining(self.config, group, self._cpu_layout)
+            self.training = ShardedTraining(self.config, group, self._cpu_layout,
+                                            root_runs_forward=self.root_runs_forward)
         return self.training
 
     # -- where the rank stands ------------------------------------------------------------------------------

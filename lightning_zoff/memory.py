@@ -29,7 +29,8 @@ from lightning_zoff.offload.memory_plan import (
 )
 from lightning_zoff.offload.moves import back_for_room
 from lightning_zoff.offload.placement import Placement
-from lightning_zoff.sharding import forward_order, unit_shapes_before_sharding
+from lightning_zoff.sharding import unit_shapes_before_sharding
+from lightning_zoff.units import Unit, forward_order
 
 log = logging.getLogger("lightning_zoff")
 
@@ -57,7 +58,7 @@ class Memory:
         self.machine = machine
         return machine
 
-    def check_before_sharding(self, module: nn.Module, units: list[tuple[str, nn.Module]],
+    def check_before_sharding(self, module: nn.Module, units: list[Unit],
                               accumulate_grad_batches: int, param_bytes: int) -> set[type[nn.Module]]:
         """Refuse a model whose optimizer state cannot fit this machine before any of it (or the sharded model) is
         allocated: the engine's plan, assuming the optimizer trains every parameter that requires a gradient, with
@@ -76,8 +77,7 @@ class Memory:
             return set(config.activation_checkpointing_policy)
         if accelerator_holds_all(plan):
             return set()
-        top_level = set(module.children())
-        blocks = {type(unit) for _, unit in units if unit not in top_level}
+        blocks = {type(unit.module) for unit in units if unit.is_block}
         names = ", ".join(sorted(c.__name__ for c in blocks))
         self._say(f"recomputing {names} activations ('auto'): state {self._all_state(plan) / 1e9:.1f} GB + model"
                   f" {plan.model_bytes / 1e9:.1f} GB > GPU {(plan.machine.accelerator_capacity or 0) / 1e9:.1f} GB")

@@ -1,4 +1,5 @@
-"""ZeRO-3 sharding of an unchanged model with FSDP2: one `fully_shard` per unit, chosen by a wrap policy."""
+"""ZeRO-3 sharding of an unchanged model with FSDP2: one `fully_shard` per unit (`units.py` chooses them) under one
+root."""
 
 from __future__ import annotations
 
@@ -19,63 +20,13 @@ from lightning_zoff._compat import (
     checkpoint_activations_of,
     direct_tensors,
     hf_init_weights,
+    init_as_root,
     is_view,
     replace_direct_tensor,
 )
 from lightning_zoff.offload.layout import padded_shard_numel
 from lightning_zoff.offload.memory_plan import UnitShape
-
-
-def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The default policy: children of every `nn.ModuleList` whose children repeat one class (transformer blocks)."""
-    blocks: list[nn.Module] = []
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 1 and len({type(m) for m in module}) == 1:
-            blocks.extend(module)
-    return blocks
-
-
-def plan_units(model: nn.Module, wrap_policy: Iterable[type[nn.Module]] | None = None) -> list[tuple[str, nn.Module]]:
-    """Units in the order they must be sharded (inner first): the blocks, then each top-level child of `model`
-    that holds parameters outside the blocks (for a GPT: the embeddings, final norm and head).
-
-    A parameter shared by several modules (tied input and output embeddings) must live in one unit, or FSDP2 would
-    shard it twice and the tie would break: a candidate block that shares a parameter with a module outside it is
-    not a unit (its parameters go to the unit around it), and two top-level children that share one are refused.
-    """
-    if wrap_policy:
-        classes = tuple(wrap_policy)
-        candidates = [m for m in model.modules() if isinstance(m, classes) and m is not model]
-    else:
-        candidates = repeated_blocks(model)
-    names = {m: n for n, m in model.named_modules()}
-    holders = _holders(model)
-    candidates = [m for m in candidates if not _shares_outside(m, holders)]
-    # keep the outermost: a block inside another block is covered by it
-    chosen = set(candidates)
-    blocks = [m for m in candidates if not any(a in chosen for a in _ancestors(model, m))]
-    in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    if any(True for _ in model.parameters(recurse=False)):
-        raise ValueError(
-            f"{type(model).__name__} holds parameters directly; zoff shards submodules, whose forward FSDP2 hooks."
-            " Move these parameters into a submodule (for example `self.model = MyNet()`)."
-        )
-    roots = [(n, c) for n, c in model.named_children() if any(id(p) not in in_blocks for p in c.parameters())]
-    for name, child in roots:
-        if _shares_outside(child, holders):
-            raise ValueError(
-                f"{type(model).__name__}.{name} shares a parameter with another top-level submodule; zoff shards each"
-                " top-level submodule on its own, so modules with tied parameters must sit under one of them (for"
-                " example `self.model = MyNet()` holding both the embedding and the head)."
-            )
-    return [(names[b], b) for b in blocks] + roots
-
-
-def forward_order(model: nn.Module, units: list[tuple[str, nn.Module]]) -> list[str]:
-    """The units' names in the order a forward is expected to enter them: modules are usually registered in that
-    order (the engine learns the truth from the first forward)."""
-    position = {name: i for i, (name, _) in enumerate(model.named_modules())}
-    return sorted((name for name, _ in units), key=lambda name: position.get(name, len(position)))
+from lightning_zoff.units import Unit
 
 
 def param_names(module: nn.Module) -> dict[int, list[str]]:
@@ -86,28 +37,6 @@ def param_names(module: nn.Module) -> dict[int, list[str]]:
     return names
 
 
-def _holders(model: nn.Module) -> dict[int, list[nn.Module]]:
-    """Every module that holds each parameter directly, by id of the parameter (tied parameters have several)."""
-    holders: dict[int, list[nn.Module]] = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            holders.setdefault(id(p), []).append(module)
-    return holders
-
-
-def _shares_outside(unit: nn.Module, holders: dict[int, list[nn.Module]]) -> bool:
-    inside = set(unit.modules())
-    return any(m not in inside for p in unit.parameters() for m in holders[id(p)])
-
-
-def _ancestors(root: nn.Module, target: nn.Module) -> list[nn.Module]:
-    for name, module in root.named_modules():
-        if module is target:
-            parts = name.split(".")
-            return [root.get_submodule(".".join(parts[:i])) for i in range(1, len(parts))]
-    return []
-
-
 def local_chunk(full: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
     """This rank's dim-0 shard of `full`, as FSDP2 cuts it (torch.chunk; trailing ranks may get nothing)."""
     chunks = torch.chunk(full, world_size, dim=0) if full.dim() else (full.reshape(1),)
@@ -116,7 +45,7 @@ def local_chunk(full: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
 
 def shard_model(
     model: nn.Module,
-    units: list[tuple[str, nn.Module]],
+    units: list[Unit],
     mesh: DeviceMesh,
     param_dtype: torch.dtype,
     init_fn: ParamInitFn | None = None,
@@ -134,16 +63,19 @@ def shard_model(
     init_fn = init_fn or default_param_init(model)
     policy = inputs_in(param_dtype, mesh.device_type)
     masters: dict[str, torch.Tensor] = {}
-    for unit_name, unit in units:  # inner units first: a unit's own parameters are those no earlier unit took
-        prefix = f"{unit_name}." if unit_name else ""
-        materialize(unit, init_fn)  # the inner units are real already; this takes what is left
+    for unit in units:  # inner units first: a unit's own parameters are those no earlier unit took
+        for module in unit.modules:
+            materialize(module, init_fn)  # the inner units are real already; this takes what is left
         with torch.no_grad():  # looked up again: materialising replaced the parameter objects
-            for name, p in _untaken(model, prefix, masters):
+            for name, p in _untaken(model, unit, masters):
                 masters[name] = local_chunk(p.detach(), world_size, rank).to(torch.float32, copy=True)
                 p.data = p.data.to(param_dtype)
-        unit.register_forward_hook(_output_not_a_view)  # runs before the hook fully_shard adds
-        fully_shard(unit, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
-    materialize(model, init_fn)  # buffers of top-level children that hold no parameters
+        for module in unit.modules:
+            module.register_forward_hook(_output_not_a_view)  # runs before the hook fully_shard adds
+        modules = list(unit.modules) if len(unit.modules) > 1 else unit.module
+        fully_shard(modules, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+    materialize(model, init_fn)  # buffers of modules outside every unit
+    share_one_root(model, mesh)
     sharded = dict(model.named_parameters())
     for name, master in masters.items():
         local = cast(DTensor, sharded[name]).to_local()
@@ -151,6 +83,19 @@ def shard_model(
             raise RuntimeError(f"zoff: shard of {name} is {tuple(local.shape)}, expected"
                                f" {tuple(master.shape)}; FSDP2 sharded it differently than dim-0 chunks.")
     return {id(sharded[name]): master for name, master in masters.items()}
+
+
+def share_one_root(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Make every unit of `model` part of one FSDP2 root: one context (streams, the end-of-backward callback) for all.
+
+    FSDP2 makes its root the first unit to run a forward, which breaks when no one unit lies above the others: a
+    group of tied modules cannot be a root, and units side by side would each be one, with streams of their own. The
+    root's own forward need not run (the Trainer calls `training_step`), so it is a parameterless module above
+    `model`, outside the model's tree, initialised here as FSDP2 initialises a root at its first forward."""
+    root = nn.Module()
+    root.add_module("model", model)  # the model does not know its parent: nothing changes in its tree
+    fully_shard(root, mesh=mesh)
+    init_as_root(root)
 
 
 def inputs_in(param_dtype: torch.dtype, device_type: str = "cpu") -> MixedPrecisionPolicy:
@@ -166,21 +111,21 @@ def inputs_in(param_dtype: torch.dtype, device_type: str = "cpu") -> MixedPrecis
     return MixedPrecisionPolicy(param_dtype=param_dtype if sixteen_bit else None, cast_forward_inputs=sixteen_bit)
 
 
-def unit_shapes_before_sharding(model: nn.Module, units: list[tuple[str, nn.Module]], world_size: int,
+def unit_shapes_before_sharding(model: nn.Module, units: list[Unit], world_size: int,
                                 param_bytes: int) -> tuple[list[UnitShape], int]:
     """Each unit's shape on a rank as the engine will see it once sharded, assuming the optimizer trains every
     parameter that requires a gradient (an upper bound of its state), and the bytes of the rank's shards of the
     model; from shapes alone, so a model on the meta device costs nothing to plan."""
     taken: dict[str, torch.Tensor] = {}
     shapes, model_bytes = [], 0
-    for unit_name, _ in units:  # the order shard_model takes them in: a unit owns what no earlier unit took
+    for unit in units:  # the order shard_model takes them in: a unit owns what no earlier unit took
         reduced = 0
-        for name, p in _untaken(model, f"{unit_name}." if unit_name else "", taken):
+        for name, p in _untaken(model, unit, taken):
             taken[name] = p
             padded = padded_shard_numel(p.shape, world_size)
             model_bytes += padded * param_bytes
             reduced += padded if p.requires_grad else 0
-        shapes.append(UnitShape(unit_name, reduced, reduced, True))
+        shapes.append(UnitShape(unit.name, reduced, reduced, True))
     return shapes, model_bytes
 
 
@@ -209,8 +154,8 @@ def _holds_a_view(output: Any) -> bool:
     return False
 
 
-def _untaken(model: nn.Module, prefix: str, taken: dict[str, torch.Tensor]) -> list[tuple[str, nn.Parameter]]:
-    return [(name, p) for name, p in model.named_parameters() if name.startswith(prefix) and name not in taken]
+def _untaken(model: nn.Module, unit: Unit, taken: dict[str, torch.Tensor]) -> list[tuple[str, nn.Parameter]]:
+    return [(name, p) for name, p in model.named_parameters() if unit.holds(name) and name not in taken]
 
 
 ParamInitFn = Callable[[nn.Module], None]

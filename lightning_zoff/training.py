@@ -26,27 +26,33 @@ from lightning_zoff.launch.cpus import CpuLayout, rank_layout, torch_threads
 from lightning_zoff.launch.group import RankGroup
 from lightning_zoff.memory import Memory
 from lightning_zoff.offload import OffloadEngine, StepOutcome
+from lightning_zoff.offload.memory_plan import PlanDoesNotFit
 from lightning_zoff.precision_math import PrecisionMath
-from lightning_zoff.sharding import checkpoint_activations, forward_order, is_sharded, plan_units, shard_model
+from lightning_zoff.sharding import checkpoint_activations, is_sharded, shard_model
 from lightning_zoff.telemetry import StepTimer, step_metrics
+from lightning_zoff.units import Unit, forward_order, plan_units
 
 log = logging.getLogger("lightning_zoff")
 
 
 class ShardedTraining:
     """The sharded model, engine, memory and checkpoints of the rank `group` describes, under `config`. `cpu_layout`:
-    the rank's cores as its launch gave them (default: its share of the cores this process may use)."""
+    the rank's cores as its launch gave them (default: its share of the cores this process may use);
+    `root_runs_forward`: the training loop calls the model (Fabric), so the root can be a unit (`units.py`)."""
 
-    def __init__(self, config: ZoffConfig, group: RankGroup, cpu_layout: CpuLayout | None = None) -> None:
+    def __init__(self, config: ZoffConfig, group: RankGroup, cpu_layout: CpuLayout | None = None, *,
+                 root_runs_forward: bool = False) -> None:
         self.config, self.group = config, group
+        self.root_runs_forward = root_runs_forward  # the loop calls the model itself (Fabric), not training_step
         self.cpu_layout = cpu_layout or rank_layout(group.local_rank, group.ranks_on_node, config.cpu_threads)
         self.memory = Memory(config, group)
         self.checkpoints = Checkpoints(config, group)
         self.module: nn.Module | None = None
         self.engine: OffloadEngine | None = None
-        self.units: list[tuple[str, nn.Module]] = []
+        self.units: list[Unit] = []
         self.masters: dict[int, torch.Tensor] = {}  # fp32 shards by id of the parameter, until an engine takes them
         self.last_step: StepOutcome | None = None
+        self._refusal: PlanDoesNotFit | None = None  # the plan's, for a model set up before its optimizer
         self.telemetry: dict[str, float] = {}  # the last step's, for callbacks and benchmarks
         self.timer = StepTimer(group.device)
 
@@ -55,19 +61,26 @@ class ShardedTraining:
     def shard(self, module: nn.Module, param_dtype: torch.dtype, *, fitting: bool,
               accumulate_grad_batches: int = 1) -> None:
         """Shard `module` in place into FSDP2 units of `param_dtype` shards, keeping this rank's fp32 masters, unless it
-        came sharded. When `fitting` with offload, a model whose optimizer state cannot fit is refused first, before
-        anything is allocated. A module built on the meta device is materialised a unit at a time."""
+        came sharded. With offload, the optimizer state is planned first: a model whose state cannot fit is refused
+        here, before anything is allocated, when `fitting`; else (a model set up before its optimizer, or for
+        evaluation) when an optimizer is set up. A module built on the meta device is materialised a unit at a time."""
         self.module = module
         if is_sharded(module):
             return
         self.close_engine()  # an earlier fit's, of another model
-        self.units = plan_units(module, self.config.wrap_policy)
+        self.units = plan_units(module, self.config.wrap_policy, root_runs_forward=self.root_runs_forward)
         self.memory.read_machine()
         policy = self.config.activation_checkpointing_policy
         recomputed: set[type[nn.Module]] = set() if policy == "auto" else set(policy)
-        if fitting and self.config.offload:
-            recomputed = self.memory.check_before_sharding(module, self.units, accumulate_grad_batches,
-                                                           param_dtype.itemsize)
+        self._refusal = None
+        if self.config.offload:
+            try:
+                recomputed = self.memory.check_before_sharding(module, self.units, accumulate_grad_batches,
+                                                               param_dtype.itemsize)
+            except PlanDoesNotFit as refusal:
+                if fitting:
+                    raise
+                self._refusal = refusal
         checkpoint_activations(module, recomputed)
         mesh = init_device_mesh(self.group.device.type, (self.group.world_size,))
         with torch_threads(len(self.cpu_layout.cores)):  # meta init and master copies: no kernels run yet
@@ -78,13 +91,16 @@ class ShardedTraining:
         """The engine that steps `optimizer` over the sharded module from now on. A new optimizer starts from fresh
         state, as under every Lightning strategy; the fp32 masters of an earlier engine carry over."""
         module = self._module()
+        if self._refusal is not None:
+            raise self._refusal  # the plan at setup: this model's optimizer state cannot fit
         if self.engine is not None:
             self.masters = self.engine.fp32_shards()
             self.close_engine()
         threads = self.cpu_layout.kernel_threads
         machine = self.memory.machine or self.memory.read_machine()  # read at setup, unless the model came sharded
         with torch_threads(max(torch.get_num_threads(), threads)):  # the host state's first copies
-            self.engine = OffloadEngine(self.units, self.masters, optimizer, self.config,
+            units = [(unit.name, unit.module) for unit in self.units]
+            self.engine = OffloadEngine(units, self.masters, optimizer, self.config,
                                         world_size=self.group.world_size, machine=machine,
                                         accumulate_grad_batches=accumulate_grad_batches, threads=threads,
                                         forward_order=forward_order(module, self.units))

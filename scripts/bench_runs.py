@@ -125,7 +125,7 @@ def build_run(name: str, model_name: str, zoff_options: dict, accumulate: int = 
         def configure_model(self):
             from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-            from lightning_zoff.sharding import repeated_blocks
+            from lightning_zoff.units import repeated_blocks
 
             mesh = self.device_mesh["data_parallel"]
             policy = dict(mesh=mesh, offload_policy=CPUOffloadPolicy(),

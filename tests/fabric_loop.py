@@ -5,6 +5,7 @@ gradient."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import torch
@@ -62,12 +63,28 @@ def trainer_loader(first_step: int, steps: int, world_size: int) -> DataLoader:
 
 
 def train(fabric: Fabric, steps: int, accumulate: int = 1, max_norm: float = 0.5, load: str | None = None,
-          save: str | None = None, save_at: int | None = None, weights_to: str | None = None) -> list[list[float]]:
+          save: str | None = None, save_at: int | None = None, weights_to: str | None = None, apart: bool = False,
+          empty_init: bool = False, memory_to: str | None = None, **optimizer_hints: bool) -> list[list[float]]:
     """`steps` optimizer steps, from a checkpoint if `load`; saves after `save_at` steps to `save`, and the final fp32
-    weights to the file `weights_to`. Returns each micro-batch's loss on every rank."""
+    weights to the file `weights_to`. Returns each micro-batch's loss on every rank.
+
+    `apart`: LitGPT's scripts' order, `model = fabric.setup(module)`, then the optimizer made over the set-up model's
+    parameters and `fabric.setup_optimizers(optimizer)`, instead of `fabric.setup(module, optimizer)`; `empty_init`:
+    the module built under `fabric.init_module(empty_init=True)`; `memory_to`: a file for rank 0's memory report;
+    `optimizer_hints`: torch's `fused=`/`foreach=` for AdamW."""
     fabric.seed_everything(7)
-    module = FabricTiny()
-    model, optimizer = fabric.setup(module, module.configure_optimizers())
+    with fabric.init_module(empty_init=empty_init):
+        module = FabricTiny()
+    if empty_init:
+        fabric.seed_everything(7)  # the units' initialisation draws from here on every rank
+    if apart:
+        model = fabric.setup(module)
+        optimizer = fabric.setup_optimizers(module.configure_optimizers(**optimizer_hints))
+    else:
+        model, optimizer = fabric.setup(module, module.configure_optimizers(**optimizer_hints))
+    if memory_to is not None and fabric.is_global_zero:
+        with open(memory_to, "w") as file:
+            json.dump(fabric.strategy.memory_report, file)
     state = {"model": model, "optimizer": optimizer, "global_step": 0}  # the Trainer's name for it
     if load is not None:
         fabric.load(load, state)

@@ -166,15 +166,6 @@ def test_trainer_checkpoint_resumes_on_three_ranks_in_fabric(fabric_run, tmp_pat
     assert rel_err(mean_losses(resumed), trainer[SAVED_AT:]) < 1e-5
 
 
-def test_setup_module_then_setup_optimizers_is_refused():
-    def apart(fabric):
-        model = fabric.setup_module(FabricTiny())
-        fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
-
-    with pytest.raises(ProcessRaisedException, match=r"Call `model, optimizer = fabric.setup\(model, optimizer\)`"):
-        zoff_fabric().launch(apart)
-
-
 def test_unsupported_optimizer_is_refused():
     def sgd(fabric):
         module = FabricTiny()

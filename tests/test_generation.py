@@ -19,7 +19,7 @@ from lightning_zoff import ZoffStrategy
 from lightning_zoff.examples.corpus import SyntheticDataModule
 from lightning_zoff.examples.gpt import GPT, GPTConfig, GPTModule, draw_token
 from lightning_zoff.examples.hf import HFCausalLM
-from lightning_zoff.sharding import repeated_blocks
+from lightning_zoff.units import repeated_blocks
 
 DRAWS = {"greedy": dict(top_k=1), "sampled": dict(temperature=0.8), "sampled_top_k": dict(temperature=1.3, top_k=20)}
 

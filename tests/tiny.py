@@ -71,12 +71,13 @@ class TinyModule(LightningModule):
         x, y = batch
         self.log("test_loss", F.cross_entropy(self.model(x).float().flatten(0, 1), y.flatten()), sync_dist=True)
 
-    def configure_optimizers(self):
+    def configure_optimizers(self, **torch_hints: bool):
+        """`torch_hints`: AdamW's `fused=`/`foreach=`, which choose torch's implementation, not the math."""
         decay = [p for p in self.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": self.lr * 2}]
         if self.optimizer_name == "adamw":
-            opt = torch.optim.AdamW(groups, lr=self.lr, betas=(0.9, 0.95), eps=EPS)
+            opt = torch.optim.AdamW(groups, lr=self.lr, betas=(0.9, 0.95), eps=EPS, **torch_hints)
         elif self.optimizer_name == "adam":
             opt = torch.optim.Adam(groups, lr=self.lr, eps=EPS)
         elif self.optimizer_name == "lion":

@@ -5,7 +5,8 @@ tensor math. The same `ZoffConfig` options and the same `ShardedTraining` as the
     fabric.launch()
     with fabric.init_module(empty_init=True):     # on the meta device: each rank materialises its own units
         model = GPT(config)
-    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters()))  # together, never apart
+    model = fabric.setup(model)                                                  # or both together:
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))  # fabric.setup(model, optimizer)
     for i, batch in enumerate(loader):
         with fabric.no_backward_sync(model, enabled=(i + 1) % accumulate != 0):  # the window goes on
             fabric.backward(model(batch) / accumulate)                          # gradients land on the host
@@ -52,6 +53,7 @@ class ZoffFabricStrategy(FrontDoor, ParallelStrategy):
 
     script_launcher = FabricSubprocessScriptLauncher
     process_launcher = FabricMultiProcessingLauncher
+    root_runs_forward = True  # fabric's loop calls the model
 
     def __init__(self, accelerator: Any = None, parallel_devices: list[torch.device] | None = None,
                  cluster_environment: Any = None, checkpoint_io: Any = None, precision: Precision | None = None,
@@ -64,6 +66,7 @@ class ZoffFabricStrategy(FrontDoor, ParallelStrategy):
         self.training: ShardedTraining | None = None  # once the ranks' places are known
         self._cpu_layout: CpuLayout | None = None
         self._steps = 0
+        self._names: dict[int, str] = {}  # the set-up module's parameters' names by id, from before it was sharded
 
     # -- precision: whatever the `precision=` flag built becomes a ZoffFabricPrecision ---------------------
 
@@ -118,40 +121,48 @@ class ZoffFabricStrategy(FrontDoor, ParallelStrategy):
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[torch.optim.Optimizer],
                                     scheduler: Any = None) -> tuple[nn.Module, list[torch.optim.Optimizer], Any]:
         """Shard `module` and build the engine that steps the one optimizer, whose param groups then hold the sharded
-        parameters in place of those it was made with."""
+        parameters in place of those it was made with. The same as `setup_module`, then `setup_optimizer`, but a
+        model whose optimizer state cannot fit is refused before it is sharded."""
         check_optimizers(optimizers, "fabric.setup got")
-        precision = self.precision
-        check_accum_dtype(self.config.grad_accum_dtype, precision.precision, precision.param_dtype)
-        names = {pid: all_names[0] for pid, all_names in param_names(module).items()}  # before sharding
-        training = self._shard(module, fitting=True)
-        sharded = dict(module.named_parameters())
-        for group in optimizers[0].param_groups:
-            group["params"] = [sharded[names[id(p)]] if id(p) in names else p for p in group["params"]]
-        training.build_engine(optimizers[0])
-        self.barrier()
-        return module, optimizers, scheduler
+        self._setup_module(module, fitting=True)
+        return module, [self.setup_optimizer(optimizers[0])], scheduler
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
-        """Shard `module` without an optimizer (evaluation, sampling)."""
-        self._shard(module, fitting=False)
-        self.barrier()
+        """Shard `module`: for evaluation or sampling, or before its optimizer is made over the sharded parameters and
+        set up with `fabric.setup_optimizers` (LitGPT's scripts' order)."""
+        self._setup_module(module, fitting=False)
         return module
 
     @override
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        raise NotImplementedError(
-            "strategy='zoff' sets up the model and its optimizer together: the optimizer's state is sharded with the"
-            " model and lives in zoff's engine. Call `model, optimizer = fabric.setup(model, optimizer)` instead of"
-            " fabric.setup_module(model) and fabric.setup_optimizers(optimizer)."
-        )
+        """Build the engine that steps `optimizer` over the set-up model. An optimizer made before the model was set up
+        is pointed at the sharded parameters (by name); one made after holds them already. A later optimizer replaces
+        the earlier one, with fresh state."""
+        check_optimizers([optimizer], "fabric.setup_optimizers got")
+        training = self._training()
+        if training.module is None:
+            raise ValueError("strategy='zoff' shards the model before it builds the optimizer's state: call"
+                             " `model = fabric.setup(model)` first, then make the optimizer over `model.parameters()`"
+                             " and call `fabric.setup_optimizers(optimizer)`.")
+        precision = self.precision
+        check_accum_dtype(self.config.grad_accum_dtype, precision.precision, precision.param_dtype)
+        sharded = dict(training.module.named_parameters())
+        for group in optimizer.param_groups:
+            group["params"] = [sharded[self._names[id(p)]] if id(p) in self._names else p for p in group["params"]]
+        training.build_engine(optimizer)
+        self.barrier()
+        return optimizer
 
-    def _shard(self, module: nn.Module, fitting: bool) -> ShardedTraining:
+    def _setup_module(self, module: nn.Module, fitting: bool) -> None:
+        """Shard `module`; `fitting`: an optimizer comes with it, so a model whose state cannot fit is refused before
+        it is sharded (else when the optimizer is set up: evaluation needs no optimizer state)."""
+        self._names = {pid: all_names[0] for pid, all_names in param_names(module).items()}  # before sharding
         training = self._training()
         self.precision.device_type = self.root_device.type
         self.precision.around_forward = training.forward
         training.shard(module, self.precision.param_dtype, fitting=fitting)
-        return training
+        self.barrier()
 
     # -- the training step ----------------------------------------------------------------------------------
 
@@ -167,6 +178,10 @@ class ZoffFabricStrategy(FrontDoor, ParallelStrategy):
         # The engine took every gradient in backward and runs the update; torch's own step would see no gradient.
         if kwargs:
             raise ValueError(f"strategy='zoff' steps the optimizer itself and takes no {sorted(kwargs)}.")
+        engine = self._training().engine
+        if engine is not None and optimizer is not engine.optimizer:
+            raise ValueError("strategy='zoff' steps the optimizer set up last (fabric.setup_optimizers replaced this"
+                             " one); step that one.")
         outcome = self._training().step(optimizer, self.precision, self._steps)
         self._steps += 1
         return outcome

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_zoff._compat import all_gather_streams, before_reduce, restore_post_backward
+from lightning_zoff._compat import all_gather_streams, before_reduce, restore_post_backward, unit_modules
 
 
 class UnitEvents(Protocol):
@@ -46,13 +46,16 @@ class UnitHooks:
         self.module.set_force_sum_reduction_for_comms(True)  # gloo has no AVG; the 1/world goes into the step
         self.module.set_all_reduce_hook(lambda flat_grad: target().on_unit_reduced(unit_index, flat_grad),
                                         stream=copy_stream)
-        # prepend: before FSDP2's own pre-forward, whose all-gather reads the sharded parameters
-        self._gate = module.register_forward_pre_hook(lambda *_: target().gate(unit_index), prepend=True)
+        # prepend: before FSDP2's own pre-forward, whose all-gather reads the sharded parameters; on every module of a
+        # group of tied modules, whichever runs first
+        self._gates = [m.register_forward_pre_hook(lambda *_: target().gate(unit_index), prepend=True)
+                       for m in unit_modules(module)]
 
     def remove(self) -> None:
         """FSDP2's reduce hook cannot be removed: it is pointed at one that refuses until the next engine's hooks
         replace it."""
-        self._gate.remove()
+        for gate in self._gates:
+            gate.remove()
         self.module.set_all_reduce_hook(lambda flat_grad: _refuse_backward())
         restore_post_backward(cast(nn.Module, self.module))
 

@@ -44,6 +44,7 @@ class ZoffStrategy(FrontDoor, ParallelStrategy):
     strategy_name = "zoff"
     script_launcher = ZoffSubprocessScriptLauncher
     process_launcher = ZoffMultiProcessingLauncher
+    root_runs_forward = False  # Lightning calls training_step, which need not call the LightningModule's forward
 
     def __init__(
         self,
