@@ -39,8 +39,9 @@ class ZoffConfig:
                 " cannot hold, then as much as a step's measured peak leaves room for), a fraction of the trained"
                 " parameters (the units the forward enters first), or `\"none\"`")
     wrap_policy: ModuleClasses | None = option(
-        None, "module classes that become FSDP2 units; default: the repeated children of every `nn.ModuleList`; each"
-              " top-level child holding other parameters is a unit too")
+        None, "module classes that become FSDP2 units; default: the repeated children of every `nn.ModuleList`; what"
+              " they leave goes to the modules with a forward that hold it (containers walked into, tied modules one"
+              " unit)")
     activation_checkpointing_policy: ModuleClasses | Literal["auto"] = option(
         "auto", "module classes recomputed in backward instead of keeping their activations; `\"auto\"`: the blocks,"
                 " when the GPU cannot hold all the optimizer state beside the model (its room is worth more as state"

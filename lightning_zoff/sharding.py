@@ -184,12 +184,14 @@ def default_param_init(root: nn.Module) -> ParamInitFn:
                 " how to initialise it: it has no reset_parameters(). Define `init_module_weights(self, module)` on"
                 " the LightningModule, pass ZoffStrategy(param_init_fn=...), or build the model without empty_init."
             )
-        if any(True for _ in module.buffers(recurse=False)) and not type(module).__module__.startswith("torch."):
-            # torch's own modules reset their buffers there (BatchNorm's running stats); others may compute them
-            # in __init__, and those values are gone once built on meta
+        integer_buffers = [b for b in module.buffers(recurse=False) if not b.is_floating_point()]
+        if integer_buffers and not type(module).__module__.startswith("torch."):
+            # torch's own modules reset theirs there (BatchNorm's batch count); another's may come from __init__, gone
+            # on meta, and unlike a floating-point one (NaN until written, checked in `materialize`) an integer
+            # buffer left unset cannot be told apart
             raise TypeError(
-                f"zoff: {type(module).__name__} was built on the meta device (empty_init=True) and holds buffers its"
-                " reset_parameters() may not recompute. Define `init_module_weights(self, module)` on the"
+                f"zoff: {type(module).__name__} was built on the meta device (empty_init=True) and holds integer"
+                " buffers its reset_parameters() may not recompute. Define `init_module_weights(self, module)` on the"
                 " LightningModule to set them, or build the model without empty_init."
             )
         reset()
@@ -228,6 +230,7 @@ def materialize(root: nn.Module, init_fn: ParamInitFn) -> None:
     if not modules:
         return
     replaced: dict[int, torch.Tensor] = {}
+    made: list[tuple[nn.Module, str]] = []  # where each new tensor went (init may put another in its place)
     for module in modules:
         for kind, name, tensor in direct_tensors(module):
             if not tensor.is_meta:
@@ -238,16 +241,20 @@ def materialize(root: nn.Module, init_fn: ParamInitFn) -> None:
                     real.fill_(float("nan"))
                 replaced[id(tensor)] = nn.Parameter(real, tensor.requires_grad) if kind == "param" else real
             replace_direct_tensor(module, kind, name, replaced[id(tensor)])
+            made.append((module, name))
     with torch.no_grad():
         for module in modules:
             init_fn(module)
-    names = {id(t): name for name, t in [*root.named_parameters(remove_duplicate=False), *root.named_buffers()]}
-    for tensor in replaced.values():
+    names = {id(m): name for name, m in root.named_modules()}
+    for module, name in made:
+        tensor = getattr(module, name)
         if tensor.is_floating_point() and tensor.isnan().any():
+            where = ".".join(filter(None, [names.get(id(module), ""), name]))
             raise RuntimeError(
-                f"zoff: {names.get(id(tensor), 'a tensor')} was built on the meta device and its initialisation"
+                f"zoff: {where} was built on the meta device and its initialisation"
                 f" ({getattr(init_fn, '__qualname__', init_fn)}) left it unset; initialise every parameter and buffer"
-                " of the module it is given."
+                " of the module it is given (a buffer computed in __init__ is lost on the meta device: recompute it"
+                " in reset_parameters(), or define `init_module_weights(self, module)` on the LightningModule)."
             )
 
 

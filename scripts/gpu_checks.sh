@@ -119,6 +119,13 @@ for stage in "$@"; do
       timeout 200 python3 scripts/bench.py --model gpt1b --batch 8 --accumulate 1 --steps 6 --warmup 2 --runs gpu_only zoff --out "$OUT/gpt1b_b8.json" 2>&1 | grep -v "^INFO" | tail -6 | tee -a "$OUT/no_regression.txt" ;;
     fsdp2_cpu_offload)  # FSDP2's own CPU offload next to zoff and the synchronous engine, gpt1b at accumulate 1 and 4
       timeout ${BENCH_TIMEOUT:-400} python3 scripts/bench.py --runs fsdp2_cpu_offload zoff zoff_sync --accumulate 1 4 --steps 5 --warmup 2 --out "$OUT/fsdp2_cpu_offload.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/fsdp2_cpu_offload.txt" ;;
+    litgpt_1b)  # LitGPT's GPT (Llama-3.2-1B's config, random init) in LitGPT's setup order: zoff, then Fabric's FSDP as
+      # LitGPT's pretrain.py sets it up; then zoff with the embedding tied to the head (one FSDP2 unit for both)
+      l="python3 scripts/train_litgpt.py --model Llama-3.2-1B --devices 1 --block-size 2048 --micro-batch 4 --max-steps 12 --warmup 3 --log-every 4 --max-bytes 8000000 --out /tmp/litgpt"
+      for run in "zoff" "fsdp" "zoff --tie-embeddings"; do
+        name=$(echo $run | tr -dc 'a-z_ -' | tr ' -' '__' | sed 's/__*/_/g')
+        timeout ${LITGPT_TIMEOUT:-200} $l --strategy $run --json "$OUT/litgpt_llama32_1b_$name.json" 2>&1 | grep -v "^INFO" | tail -3 | tee -a "$OUT/litgpt_1b.txt"
+      done ;;
     *) echo "unknown stage $stage: see the stages of scripts/gpu_checks.sh"; exit 2 ;;
   esac
 done

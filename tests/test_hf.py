@@ -133,7 +133,8 @@ def test_meta_materialisation_refusals():
     with torch.device("meta"):
         scale = Scale(4)
     # reset_parameters() of a module that is not torch's own may not recompute the buffers built in __init__
-    with pytest.raises(TypeError, match=r"Scale was built on the meta device .* holds buffers"):
+    with pytest.raises(RuntimeError, match=r"table was built on the meta device and its initialisation .* left it"
+                                           r" unset.*a buffer computed in __init__ is lost on the meta device"):
         materialize(scale, default_param_init(scale))
     with torch.device("meta"):
         scale = Scale(4)
@@ -146,6 +147,45 @@ def test_meta_materialisation_refusals():
     materialize(scale, lambda module: (module.reset_parameters(), module.table.copy_(torch.arange(4.0))))
     assert torch.equal(scale.table, torch.arange(4.0))
     assert torch.equal(scale.weight, torch.ones(4))
+
+
+class Rotary(nn.Module):
+    """As LitGPT's GPT: a buffer built in __init__, which reset_parameters() replaces with a new tensor."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.register_buffer("cos", torch.arange(n, dtype=torch.float32).cos(), persistent=False)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+        self.cos = torch.arange(self.weight.numel(), dtype=torch.float32).cos()
+
+
+class Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(2))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def test_meta_materialisation_checks_the_tensors_init_left_in_place():
+    with torch.device("meta"):
+        rotary = Rotary(4)
+    materialize(rotary, default_param_init(rotary))  # the NaN tensor it replaced is not checked, the new one is
+    assert torch.equal(rotary.cos, torch.arange(4, dtype=torch.float32).cos())
+    with torch.device("meta"):
+        counter = Counter()
+    # an integer buffer left unset cannot be told from a set one: refused unless an init hook says how to set it
+    with pytest.raises(TypeError, match=r"Counter was built on the meta device .* holds integer buffers"):
+        materialize(counter, default_param_init(counter))
+    with torch.device("meta"):
+        counter = Counter()
+    materialize(counter, lambda module: (module.reset_parameters(), module.seen.zero_()))
+    assert counter.seen.item() == 0
 
 
 def test_tied_parameters_stay_in_one_unit():
