@@ -5,15 +5,15 @@
    `fsdp_hooks.py`). Just before, `_compat.before_reduce` notes which of the unit's parameters got a gradient in
    this backward and gives the others a zero one, so every rank reduces the same tensors (`on_grads_noted`). We copy
    the shard, still in the parameter dtype (2 B/param in 16-bit modes), into the unit's pinned `grad_staging`
-   without blocking, record an event and hand the unit to the host worker (`_land`; the
-   worker, its priorities and the speculation: `scheduler.py`; this backward half: `landing.py`). The accelerator
+   without blocking, record an event and hand the unit to the host worker (`GradientLanding.land`;
+   the worker, its priorities and the speculation: `scheduler.py`; this backward half: `landing.py`). The accelerator
    then frees FSDP2's copy as the next unit arrives, instead of holding every unit's gradient to the end. With
    `accumulate_on_accelerator`, the hook instead adds each shard into an fp32 buffer on the accelerator and the
    host receives the sum once, at the window's end (or after every micro-batch, freeing the buffer in between,
    unless `retain_device_sum`).
-2. Landing (`_land`, on the worker while backward goes on). Wait for the copy; add the shard into the unit's fp32
-   host `grad_sum` when the window has more micro-batches (a window of one leaves it in `grad_staging`, which the
-   kernel reads directly: promoting 16 to 32 bits is exact, so both give the same bits; with
+2. Landing (`GradientLanding.land`, on the worker while backward goes on). Wait for the copy; add the shard into the
+   unit's fp32 host `grad_sum` when the window has more micro-batches (a window of one leaves it in `grad_staging`,
+   which the kernel reads directly: promoting 16 to 32 bits is exact, so both give the same bits; with
    `accumulate_grad_batches=1` no `grad_sum` is allocated at all). At the window's end, take
    the unit's sum of squares and, with `overlap`, queue a speculative update (`HostScheduler.speculate`): the fused
    kernel runs on the unit as if the step were neither clipped nor skipped and every parameter had a gradient, writing
@@ -25,12 +25,12 @@
    order, all-reduced with every parameter's used-in-the-window flag) decides: skip when it is not finite, else
    one combined scale 1/world x clip factor. A parameter no rank gave a gradient in the window is not updated at
    all (as torch skips `.grad is None`): no moment decay, no weight decay, its step count unchanged.
-4. Finalize (`_finalize`, per unit, in the order the next forward needs them). Skip: drop the speculation.
-   Otherwise, when the speculation was computed with this very scale, hyperparameters, steps and parameters it is
-   the result; else the kernel runs in place on the untouched state (the spare set goes back to the pool, or the
-   kept spare set becomes the state and the old state the pool's). In place, the kernel writes the 16-bit copy over
-   the gradient it just read (`param_staging` is `grad_staging` where their layouts agree). Then copy the updated
-   16-bit shards host-to-device on a side stream into FSDP2's sharded parameters. The unit's next
+4. Finalize (`UnitUpdates.finalize` in `updates.py`, per unit, in the order the next forward needs them). Skip: drop
+   the speculation. Otherwise, when the speculation was computed with this very scale, hyperparameters, steps and
+   parameters it is the result; else the kernel runs in place on the untouched state (the spare set goes back to the
+   pool, or the kept spare set becomes the state and the old state the pool's). In place, the kernel writes the
+   16-bit copy over the gradient it just read (`param_staging` is `grad_staging` where their layouts agree). Then
+   copy the updated 16-bit shards host-to-device on a side stream into FSDP2's sharded parameters. The unit's next
    forward waits for exactly that copy (`gate`), nothing else does.
 A unit whose state is placed on the accelerator (`Placement.ACCELERATOR`) takes the same path there. In a window of
 one micro-batch its reduced gradient is copied over FSDP2's shards of its trained parameters (until the step a shard
@@ -48,36 +48,30 @@ The kernels, their inputs and the order of every sum are the same, so both paths
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Sequence
-from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from lightning_zoff.offload.accounting import Traffic, describe_memory
-from lightning_zoff.offload.buffers import record_event
-from lightning_zoff.offload.decision import Decision, StepOutcome, decide
+from lightning_zoff.offload.decision import StepOutcome, decide
 from lightning_zoff.offload.fsdp_hooks import UnitHooks, order_after_copy
 from lightning_zoff.offload.landing import GradientLanding, LandingOptions
 from lightning_zoff.offload.layout import unit_layouts
-from lightning_zoff.offload.memory_plan import UPDATE_PIECE, Machine, MemoryPlan
+from lightning_zoff.offload.memory_plan import Machine, MemoryPlan
 from lightning_zoff.offload.placer import Placer, plan_for
 from lightning_zoff.offload.scheduler import HostScheduler, SparePool
 from lightning_zoff.offload.unit_state import (
     ParamState,
     Phase,
     Placement,
-    TrainedParam,
     UnitState,
-    UpdateKey,
     build_unit_state,
-    kernel_runs,
     param_states,
 )
-from lightning_zoff.optim.rules import GroupHyperparams, UpdateRule, update_rule_for, warn_if_bf16_moments_cannot_decay
-from lightning_zoff.optim.update import update
+from lightning_zoff.offload.updates import UnitUpdates
+from lightning_zoff.optim.rules import UpdateRule, update_rule_for, warn_if_bf16_moments_cannot_decay
 
 if TYPE_CHECKING:
     from lightning_zoff.config import ZoffConfig
@@ -132,17 +126,19 @@ class OffloadEngine:
         self._modules = [module for _, module in layouts]
         on_cuda = self.param_device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.param_device) if on_cuda else None  # D2H, FSDP2's hook runs here
-        self.h2d_stream = torch.cuda.Stream(self.param_device) if on_cuda else None
+        h2d_stream = torch.cuda.Stream(self.param_device) if on_cuda else None  # the host's 16-bit shards up
         self.compute_stream = torch.cuda.current_stream(self.param_device) if on_cuda else None
         self.scheduler = HostScheduler(SparePool()) if self.overlap else None
         self.placer = Placer(plan, self.units, None if self.scheduler is None else self.scheduler.pool,
                              host=self.state_device, accelerator=self.param_device, sum_dtype=config.accum_dtype,
                              moment_dtype=config.moment_dtype, pin=config.pin_memory)
+        self.updates = UnitUpdates(self.rule, optimizer, self.traffic, self.scheduler, world_size=world_size,
+                                   threads=threads, h2d_stream=h2d_stream, compute_stream=self.compute_stream)
         self.landing = GradientLanding(
             self.units, LandingOptions(config.accum_dtype, config.pin_memory, config.grad_accum_on == "accelerator",
                                        config.retain_gpu_grad_partition_until_step, threads),
-            self.traffic, self.scheduler, self._speculate, param_device=self.param_device,
-            copy_stream=self.copy_stream, compute_stream=self.compute_stream)
+            self.traffic, self.scheduler, lambda unit: self.updates.speculate(unit, self.landing.loss_scale),
+            param_device=self.param_device, copy_stream=self.copy_stream, compute_stream=self.compute_stream)
         self._hooks: list[UnitHooks] = []
         self._detached = False
 
@@ -174,9 +170,6 @@ class OffloadEngine:
 
     # -- step -----------------------------------------------------------------------------------------------
 
-    def _hyper(self) -> tuple[GroupHyperparams, ...]:
-        return tuple(GroupHyperparams.of(g) for g in self.optimizer.param_groups)
-
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer, max_norm: float | None, loss_scale: float = 1.0) -> StepOutcome:
         """Decide this window's step (every rank reaches the same decision) and finalize every unit that received
@@ -197,119 +190,11 @@ class OffloadEngine:
         for unit in order:  # the next forward needs them about in the reverse of backward's order
             unit.phase = Phase.FINALIZING
             if self.scheduler is not None and self.landing.on_worker(unit):
-                self.scheduler.finalize(functools.partial(self._finalize, unit, decision))
+                self.scheduler.finalize(functools.partial(self.updates.finalize, unit, decision))
         for unit in order:  # the accelerator's units meanwhile, queued on its stream
             if not self.landing.on_worker(unit):
-                self._finalize(unit, decision)
+                self.updates.finalize(unit, decision)
         return outcome
-
-    def _speculate(self, unit: UnitState) -> None:
-        assert self.scheduler is not None
-        scale = 1.0 / (self.world_size * self.landing.loss_scale)
-        # as if every parameter had a gradient and nothing is clipped or skipped
-        self.scheduler.speculate(unit, lambda: self._key(unit, scale, self._hyper(), [True] * len(unit.trained)),
-                                 self._update)
-
-    @staticmethod
-    def _key(unit: UnitState, scale: float, hyper: tuple[GroupHyperparams, ...], used: list[bool]) -> UpdateKey:
-        runs = kernel_runs(unit.trained, used)
-        return UpdateKey(scale, runs, tuple(hyper[run.group_index] for run in runs))
-
-    @torch.no_grad()
-    def _finalize(self, unit: UnitState, decision: Decision) -> None:
-        assert unit.phase is Phase.FINALIZING, "a unit finalized outside its step"
-        try:
-            if not decision.skipped:
-                key = self._key(unit, decision.scale, decision.hyper, decision.used[unit])
-                outcome = None if self.scheduler is None else self.scheduler.judge(unit, key)
-                if outcome is not None:
-                    self.traffic.add(**{f"speculations_{outcome}": 1})
-                if outcome != "kept":
-                    self._update(unit, key)
-                self._commit(unit, decision.used[unit])
-            elif unit.grad_in_shards:  # nothing changes, but the shards hold the gradient: cast the masters again
-                self._send(unit, unit.trained, None, non_blocking=True)
-        finally:
-            if self.scheduler is not None:
-                self.scheduler.release(unit)  # a skipped step's speculation
-            unit.speculation, unit.sumsq, unit.window_grad = None, None, None
-            unit.grad_in_shards = False
-            unit.phase = Phase.EMPTY
-            unit.staging_free.set()
-
-    def _update(self, unit: UnitState, key: UpdateKey) -> None:
-        """Run the update over every run of the key: into the spare set when speculating, else in place. On the host one
-        kernel call per run (its threads split it); on the accelerator in pieces, through a bounded fp32 workspace."""
-        on_host = unit.placement is Placement.HOST
-        if on_host and unit.params_copied is not None:  # param_staging still feeds the last step's copy
-            unit.params_copied.synchronize()
-        if unit.grad_in_shards:
-            self._update_from_shards(unit, key)
-            return
-        grad, state, spare = unit.window_grad, unit.state, unit.spare
-        assert grad is not None
-        out = spare.out if spare is not None else unit.param_staging
-        if unit.fp32_params:
-            out = None  # the master is what goes to the accelerator
-        start = time.perf_counter()
-        for run, hyper in zip(key.runs, key.hyper, strict=True):
-            piece = run.numel if on_host else UPDATE_PIECE
-            for offset in range(0, run.numel, piece):
-                numel = min(piece, run.numel - offset)
-                s, e = run.state_start + offset, run.state_start + offset + numel
-                g = slice(run.grad_start + offset, run.grad_start + offset + numel)
-                update(self.rule, hyper, run.step, state[0][s:e], grad[g], state[1][s:e],
-                       None if len(state) == 2 else state[2][s:e], grad_scale=key.scale,
-                       out=None if out is None else out[s:e],
-                       into=None if spare is None else tuple(t[s:e] for t in spare.state), threads=self.threads,
-                       on_host=on_host)
-        self.traffic.add(cpu_update_s=time.perf_counter() - start)
-
-    def _update_from_shards(self, unit: UnitState, key: UpdateKey) -> None:
-        """The update of an accelerator unit whose gradient is in FSDP2's shards (`grad_in_shards`): each parameter of
-        each run in turn, in pieces; `_send` then casts the masters over the shards."""
-        state = unit.state
-        for run, hyper in zip(key.runs, key.hyper, strict=True):
-            for param in unit.trained:
-                if not run.grad_start <= param.slot.offset < run.grad_start + run.numel:
-                    continue
-                grad = param.slot.local.view(-1)
-                for offset in range(0, grad.numel(), UPDATE_PIECE):
-                    s = param.state_offset + offset
-                    e = s + min(UPDATE_PIECE, grad.numel() - offset)
-                    update(self.rule, hyper, run.step, state[0][s:e], grad[offset : offset + e - s], state[1][s:e],
-                           None if len(state) == 2 else state[2][s:e], grad_scale=key.scale, threads=self.threads,
-                           on_host=False)
-
-    def _commit(self, unit: UnitState, used: list[bool]) -> None:
-        """Make the update the state, then send the updated 16-bit shards to the accelerator."""
-        updated = [p for p, is_used in zip(unit.trained, used, strict=True) if is_used]
-        for param in updated:
-            param.step += 1
-        if unit.spare is None:  # every trained shard when they held the gradient
-            self._send(unit, unit.trained if unit.grad_in_shards else updated, unit.param_staging, non_blocking=True)
-            return
-        # a kept speculation (it updated every parameter, as the decision does): its state becomes the unit's, and the
-        # unit's old state, with the spare's 16-bit copy once it reached the accelerator, the pool's next set
-        assert self.scheduler is not None
-        returned = unit.swap_spare()
-        self._send(unit, updated, returned.out if returned.out is not None else unit.master, non_blocking=True)
-        returned.sent = unit.params_copied
-        self.scheduler.pool.give_back(returned)
-
-    def _send(self, unit: UnitState, params: list[TrainedParam], source: torch.Tensor | None, non_blocking: bool
-              ) -> None:
-        """Copy the parameters' rows of `source` (laid out as the master) into FSDP2's sharded parameters: from the host
-        on a side stream; on the accelerator the master itself, cast, on the training stream after the update."""
-        on_host = unit.placement is Placement.HOST
-        source = source if on_host else unit.master
-        assert source is not None
-        stream = self.h2d_stream if on_host else self.compute_stream
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            for param in params:
-                local = param.slot.local
-                local.copy_(unit.rows(param, source).view_as(local), non_blocking=non_blocking)
-        unit.params_copied = record_event(stream)
 
     # -- forward --------------------------------------------------------------------------------------------
 
@@ -372,7 +257,7 @@ class OffloadEngine:
         for unit in self.units:
             if unit.param_staging is not None and not unit.fp32_params:
                 unit.param_staging.copy_(unit.master)
-            self._send(unit, unit.trained, unit.param_staging, non_blocking=False)
+            self.updates.send(unit, unit.trained, unit.param_staging, non_blocking=False)
 
     # -- placement ------------------------------------------------------------------------------------------
 
@@ -442,7 +327,7 @@ class OffloadEngine:
             self._hooks.clear()
             if self.scheduler is not None:
                 self.scheduler.close()
-                self.scheduler = self.landing.scheduler = None
+                self.scheduler = self.landing.scheduler = self.updates.scheduler = None
 
     @torch.no_grad()
     def _restore_shards(self) -> None:
@@ -450,7 +335,7 @@ class OffloadEngine:
         and step): make the shards the cast of their masters again, so the model's weights are the state's."""
         for unit in self.units:
             if unit.grad_in_shards:
-                self._send(unit, unit.trained, None, non_blocking=False)
+                self.updates.send(unit, unit.trained, None, non_blocking=False)
                 unit.grad_in_shards = False
 
     def close(self) -> None:

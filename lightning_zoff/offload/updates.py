@@ -1,0 +1,152 @@
+"""The update half of the engine, per rank: a unit's update for the decided step (or, with overlap, its speculation
+before the decision), made the unit's state, and its 16-bit parameters sent into FSDP2's shards. The engine owns one
+`UnitUpdates` beside its `GradientLanding`; `engine.py`'s docstring tells a gradient's whole path (steps 2 to 4
+happen here)."""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+
+import torch
+
+from lightning_zoff.offload.accounting import Traffic
+from lightning_zoff.offload.buffers import record_event
+from lightning_zoff.offload.decision import Decision
+from lightning_zoff.offload.memory_plan import UPDATE_PIECE
+from lightning_zoff.offload.scheduler import HostScheduler
+from lightning_zoff.offload.unit_state import Phase, Placement, TrainedParam, UnitState, UpdateKey, kernel_runs
+from lightning_zoff.optim.rules import GroupHyperparams, UpdateRule
+from lightning_zoff.optim.update import update
+
+
+class UnitUpdates:
+    """Runs units' updates with the `rule` and the current hyperparameters of `optimizer`'s param groups: on the host
+    with the fused kernels (`threads` of them), on the accelerator with torch ops in bounded pieces. `scheduler`: the
+    worker with overlap (None without, and once the engine detached); `h2d_stream` carries the host's 16-bit shards up,
+    `compute_stream` is the training loop's."""
+
+    def __init__(self, rule: UpdateRule, optimizer: torch.optim.Optimizer, traffic: Traffic,
+                 scheduler: HostScheduler | None, *, world_size: int, threads: int | None,
+                 h2d_stream: torch.cuda.Stream | None, compute_stream: torch.cuda.Stream | None) -> None:
+        self.rule = rule
+        self.optimizer = optimizer
+        self.traffic = traffic
+        self.scheduler = scheduler
+        self.world_size = world_size
+        self.threads = threads
+        self.h2d_stream = h2d_stream
+        self.compute_stream = compute_stream
+
+    def hyper(self) -> tuple[GroupHyperparams, ...]:
+        return tuple(GroupHyperparams.of(g) for g in self.optimizer.param_groups)
+
+    def speculate(self, unit: UnitState, loss_scale: float) -> None:
+        """Queue the unit's update on the worker as if the step will be neither clipped nor skipped (`scheduler.py`)."""
+        assert self.scheduler is not None
+        scale = 1.0 / (self.world_size * loss_scale)
+        # as if every parameter had a gradient and nothing is clipped or skipped
+        self.scheduler.speculate(unit, lambda: self.key(unit, scale, self.hyper(), [True] * len(unit.trained)),
+                                 self.update)
+
+    @staticmethod
+    def key(unit: UnitState, scale: float, hyper: tuple[GroupHyperparams, ...], used: list[bool]) -> UpdateKey:
+        runs = kernel_runs(unit.trained, used)
+        return UpdateKey(scale, runs, tuple(hyper[run.group_index] for run in runs))
+
+    @torch.no_grad()
+    def finalize(self, unit: UnitState, decision: Decision) -> None:
+        assert unit.phase is Phase.FINALIZING, "a unit finalized outside its step"
+        try:
+            if not decision.skipped:
+                key = self.key(unit, decision.scale, decision.hyper, decision.used[unit])
+                outcome = None if self.scheduler is None else self.scheduler.judge(unit, key)
+                if outcome is not None:
+                    self.traffic.add(**{f"speculations_{outcome}": 1})
+                if outcome != "kept":
+                    self.update(unit, key)
+                self._commit(unit, decision.used[unit])
+            elif unit.grad_in_shards:  # nothing changes, but the shards hold the gradient: cast the masters again
+                self.send(unit, unit.trained, None, non_blocking=True)
+        finally:
+            if self.scheduler is not None:
+                self.scheduler.release(unit)  # a skipped step's speculation
+            unit.speculation, unit.sumsq, unit.window_grad = None, None, None
+            unit.grad_in_shards = False
+            unit.phase = Phase.EMPTY
+            unit.staging_free.set()
+
+    def update(self, unit: UnitState, key: UpdateKey) -> None:
+        """Run the update over every run of the key: into the spare set when speculating, else in place. On the host one
+        kernel call per run (its threads split it); on the accelerator in pieces, through a bounded fp32 workspace."""
+        on_host = unit.placement is Placement.HOST
+        if on_host and unit.params_copied is not None:  # param_staging still feeds the last step's copy
+            unit.params_copied.synchronize()
+        if unit.grad_in_shards:
+            self._update_from_shards(unit, key)
+            return
+        grad, state, spare = unit.window_grad, unit.state, unit.spare
+        assert grad is not None
+        out = spare.out if spare is not None else unit.param_staging
+        if unit.fp32_params:
+            out = None  # the master is what goes to the accelerator
+        start = time.perf_counter()
+        for run, hyper in zip(key.runs, key.hyper, strict=True):
+            piece = run.numel if on_host else UPDATE_PIECE
+            for offset in range(0, run.numel, piece):
+                numel = min(piece, run.numel - offset)
+                s, e = run.state_start + offset, run.state_start + offset + numel
+                g = slice(run.grad_start + offset, run.grad_start + offset + numel)
+                update(self.rule, hyper, run.step, state[0][s:e], grad[g], state[1][s:e],
+                       None if len(state) == 2 else state[2][s:e], grad_scale=key.scale,
+                       out=None if out is None else out[s:e],
+                       into=None if spare is None else tuple(t[s:e] for t in spare.state), threads=self.threads,
+                       on_host=on_host)
+        self.traffic.add(cpu_update_s=time.perf_counter() - start)
+
+    def _update_from_shards(self, unit: UnitState, key: UpdateKey) -> None:
+        """The update of an accelerator unit whose gradient is in FSDP2's shards (`grad_in_shards`): each parameter of
+        each run in turn, in pieces; `_send` then casts the masters over the shards."""
+        state = unit.state
+        for run, hyper in zip(key.runs, key.hyper, strict=True):
+            for param in unit.trained:
+                if not run.grad_start <= param.slot.offset < run.grad_start + run.numel:
+                    continue
+                grad = param.slot.local.view(-1)
+                for offset in range(0, grad.numel(), UPDATE_PIECE):
+                    s = param.state_offset + offset
+                    e = s + min(UPDATE_PIECE, grad.numel() - offset)
+                    update(self.rule, hyper, run.step, state[0][s:e], grad[offset : offset + e - s], state[1][s:e],
+                           None if len(state) == 2 else state[2][s:e], grad_scale=key.scale, threads=self.threads,
+                           on_host=False)
+
+    def _commit(self, unit: UnitState, used: list[bool]) -> None:
+        """Make the update the state, then send the updated 16-bit shards to the accelerator."""
+        updated = [p for p, is_used in zip(unit.trained, used, strict=True) if is_used]
+        for param in updated:
+            param.step += 1
+        if unit.spare is None:  # every trained shard when they held the gradient
+            self.send(unit, unit.trained if unit.grad_in_shards else updated, unit.param_staging, non_blocking=True)
+            return
+        # a kept speculation (it updated every parameter, as the decision does): its state becomes the unit's, and the
+        # unit's old state, with the spare's 16-bit copy once it reached the accelerator, the pool's next set
+        assert self.scheduler is not None
+        returned = unit.swap_spare()
+        self.send(unit, updated, returned.out if returned.out is not None else unit.master, non_blocking=True)
+        returned.sent = unit.params_copied
+        self.scheduler.pool.give_back(returned)
+
+    def send(self, unit: UnitState, params: list[TrainedParam], source: torch.Tensor | None, non_blocking: bool
+              ) -> None:
+        """Copy the parameters' rows of `source` (laid out as the master) into FSDP2's sharded parameters: from the host
+        on a side stream; on the accelerator the master itself, cast, on the training stream after the update."""
+        on_host = unit.placement is Placement.HOST
+        source = source if on_host else unit.master
+        assert source is not None
+        stream = self.h2d_stream if on_host else self.compute_stream
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            for param in params:
+                local = param.slot.local
+                local.copy_(unit.rows(param, source).view_as(local), non_blocking=non_blocking)
+        unit.params_copied = record_event(stream)
+
