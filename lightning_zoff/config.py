@@ -69,6 +69,10 @@ class ZoffConfig:
     overlap: bool = option(
         True, "host work on a worker thread while the accelerator computes: speculative updates during backward into"
               " spare sets the host has room for, each unit's forward waiting only for its own update; same bits")
+    update_lag: int = option(
+        0, "1: the host's units apply each step's update one step late (ZeRO-Offload's delayed parameter update), so"
+           " it overlaps the next step's forward and backward; inexact (a forward uses parameters a step older);"
+           " 0: exact")
     process_group_backend: str | None = option(
         None, "default: `\"cpu:gloo,cuda:nccl\"` on GPU (host tensors need gloo), `\"gloo\"` on CPU")
     timeout: timedelta | None = option(default_pg_timeout, "how long a collective waits for the other ranks (None:"
@@ -93,6 +97,8 @@ class ZoffConfig:
                 " (the moments in 2 bytes each instead of 4; the master weights stay fp32)")
         _one_of("grad_accum_on", self.grad_accum_on, ("host", "accelerator"))
         _one_of("state_dict_type", self.state_dict_type, ("sharded", "full"))
+        _one_of("update_lag", self.update_lag, (0, 1), " (1 overlaps the host's update with the next step, one step"
+                " late; 0 is exact)")
         threads = self.cpu_threads
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise TypeError(f"ZoffStrategy(cpu_threads={threads!r}): expected a positive integer, or None for the cores"
@@ -114,7 +120,7 @@ class ZoffConfig:
         return ACCUM_DTYPES[self.grad_accum_dtype]
 
 
-def _one_of(name: str, value: Any, allowed: Iterable[str], why: str = "") -> None:
+def _one_of(name: str, value: Any, allowed: Iterable[Any], why: str = "") -> None:
     allowed = [repr(a) for a in allowed]
     if repr(value) not in allowed:
         choices = ", ".join(allowed[:-1]) + " or " + allowed[-1]

@@ -104,6 +104,7 @@ class OffloadEngine:
         self.param_device = params[0].device if params else torch.device("cpu")
         self.state_device = torch.device("cpu") if config.offload else self.param_device
         self.overlap = config.overlap and config.offload  # speculation needs the kernels' `into`
+        self.lag = bool(config.update_lag and config.offload)  # the host's updates reach the shards a step late
         # units by name, in the order a forward enters them: guessed (`forward_order`) until the gates saw one
         guess = {name: i for i, name in enumerate(forward_order or ())}
         self.forward_order = sorted((layout.name for layout, _ in layouts), key=lambda n: guess.get(n, len(guess)))
@@ -121,7 +122,7 @@ class OffloadEngine:
                 layout, masters, group_of, placement=where,
                 device=self.state_device if where is Placement.HOST else self.param_device, moments=moments,
                 moment_dtype=config.moment_dtype, sums_windows=self.sums_windows, grad_sum_dtype=config.accum_dtype,
-                pin=config.pin_memory and where is Placement.HOST)
+                pin=config.pin_memory and where is Placement.HOST, own_out=self.lag)
         self.units = [built[layout.name] for layout, _ in layouts]
         self._modules = [module for _, module in layouts]
         on_cuda = self.param_device.type == "cuda"
@@ -133,11 +134,13 @@ class OffloadEngine:
                              host=self.state_device, accelerator=self.param_device, sum_dtype=config.accum_dtype,
                              moment_dtype=config.moment_dtype, pin=config.pin_memory)
         self.updates = UnitUpdates(self.rule, optimizer, self.traffic, self.scheduler, world_size=world_size,
-                                   threads=threads, h2d_stream=h2d_stream, compute_stream=self.compute_stream)
+                                   threads=threads, h2d_stream=h2d_stream, compute_stream=self.compute_stream,
+                                   lag=self.lag)
         self.landing = GradientLanding(
             self.units, LandingOptions(config.accum_dtype, config.pin_memory, config.grad_accum_on == "accelerator",
                                        config.retain_gpu_grad_partition_until_step, threads),
-            self.traffic, self.scheduler, lambda unit: self.updates.speculate(unit, self.landing.loss_scale),
+            self.traffic, self.scheduler,
+            lambda unit: None if self.lag else self.updates.speculate(unit, self.landing.loss_scale),
             param_device=self.param_device, copy_stream=self.copy_stream, compute_stream=self.compute_stream)
         self._hooks: list[UnitHooks] = []
         self._detached = False
@@ -181,13 +184,17 @@ class OffloadEngine:
                                    sumsq=self.landing.sumsq)
         if self.scheduler is not None:
             self.scheduler.decided(as_speculated=not outcome.skipped and outcome.clip_coef == 1.0)
+        if self.lag:  # this backward has read the older shards: the last step's host updates may go up now
+            self.send_lagged()
         if not decision.skipped:  # counted here, so each step reports its own copies even when they end during the next
             host_units = [unit for unit in units if unit.placement is Placement.HOST]
             self.traffic.add(h2d_bytes=sum(p.slot.local.nbytes for unit in host_units
                                            for p, used in zip(unit.trained, decision.used[unit], strict=True) if used))
         landed = self.landing.landed_order
-        order = landed[::-1] + [u for u in units if u not in landed]
-        for unit in order:  # the next forward needs them about in the reverse of backward's order
+        # the next forward needs them about in the reverse of backward's order; lagging, the next backward's landings
+        # (which wait for the unit's update) come in backward's order
+        order = (landed if self.lag else landed[::-1]) + [u for u in units if u not in landed]
+        for unit in order:
             unit.phase = Phase.FINALIZING
             if self.scheduler is not None and self.landing.on_worker(unit):
                 self.scheduler.finalize(functools.partial(self.updates.finalize, unit, decision))
@@ -195,6 +202,16 @@ class OffloadEngine:
             if not self.landing.on_worker(unit):
                 self.updates.finalize(unit, decision)
         return outcome
+
+    @torch.no_grad()
+    def send_lagged(self) -> None:
+        """With `update_lag`: wait for the host's updates of the last step and copy them into FSDP2's shards."""
+        if self.scheduler is not None:
+            self.scheduler.wait_idle()
+        for unit in self.units:
+            if unit.pending_send is not None:
+                self.updates.send(unit, unit.pending_send, unit.param_staging, non_blocking=True)
+                unit.pending_send = None
 
     # -- forward --------------------------------------------------------------------------------------------
 
@@ -210,14 +227,16 @@ class OffloadEngine:
             self._seen_forward.append(unit.layout.name)
             if len(self._seen_forward) == len(self._hooks):  # seen whole: forwards stop paying for the record
                 self._take_seen_forward()
-        if self.scheduler is not None:
+        if self.scheduler is not None and not (self.lag and unit.placement is Placement.HOST):
             self.gate_wait_s += self.scheduler.wait_finalized(unit)
         order_after_copy(unit.params_copied, self._modules[index], self.param_device)
 
     def wait_idle(self) -> None:
-        """Block until no update is in flight: the state and the accelerator's shards are this step's."""
+        """Block until no update is in flight: the state and the accelerator's shards are this step's (with
+        `update_lag`, the last step's update goes up now: a checkpoint, a move or the end of a fit applies it)."""
         if self.scheduler is not None:
             self.scheduler.wait_idle()
+        self.send_lagged()
         for unit in self.units:
             if unit.params_copied is not None:
                 unit.params_copied.synchronize()

@@ -84,6 +84,7 @@ class StateOptions:
     retain_device_sum: bool = False  # ... for the whole window, every unit's at once
     overlap: bool = True  # speculation into the host's spare sets
     pin: bool = True
+    update_lag: bool = False  # host units keep their 16-bit copy apart from the gradient (it leaves a step later)
 
     @classmethod
     def of(cls, config: ZoffConfig, *, param_bytes: int, moments: int, sums_windows: bool) -> StateOptions:
@@ -93,7 +94,8 @@ class StateOptions:
                    sum_bytes=config.accum_dtype.itemsize if sums_windows else 0,
                    sum_on_accelerator=config.grad_accum_on == "accelerator",
                    retain_device_sum=config.retain_gpu_grad_partition_until_step,
-                   overlap=config.overlap and config.offload, pin=config.pin_memory)
+                   overlap=config.overlap and config.offload and not config.update_lag, pin=config.pin_memory,
+                   update_lag=bool(config.update_lag and config.offload))
 
     def state_bytes(self, trained: int) -> int:
         return trained * (4 + self.moments * self.moment_bytes)
@@ -115,7 +117,8 @@ def unit_buffers(shape: UnitShape, options: StateOptions, placement: Placement) 
                "grad_sum": options.sum_bytes * shape.reduced}
     if placement is Placement.HOST:
         buffers["grad_landing"] = options.param_bytes * shape.reduced
-        buffers["param_out"] = 0 if shape.same_layout else options.out_bytes(shape.trained)
+        shared = shape.same_layout and not options.update_lag  # the kernel writes the copy over the gradient it read
+        buffers["param_out"] = 0 if shared else options.out_bytes(shape.trained)
     return buffers
 
 

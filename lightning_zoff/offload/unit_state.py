@@ -132,6 +132,10 @@ class UnitState:
     grad_copied: torch.cuda.Event | None = None
     params_copied: torch.cuda.Event | None = None
     staging_free: threading.Event = field(default_factory=threading.Event)  # grad_staging may be overwritten
+    # on the host, with `update_lag`: the 16-bit copy has a buffer of its own even where the layouts agree (the next
+    # window's gradient lands before the copy leaves), and what the last update left there still to send
+    own_out: bool = False
+    pending_send: list[TrainedParam] | None = None
 
     @property
     def master(self) -> torch.Tensor:
@@ -203,6 +207,7 @@ def build_unit_state(
     sums_windows: bool,
     grad_sum_dtype: torch.dtype,
     pin: bool,
+    own_out: bool = False,
 ) -> UnitState:
     """State for the unit's trained parameters on `device`, their rows taken from `masters` (fp32 shards by id of
     the sharded parameter), which are consumed: the model's fp32 copies are freed as the state fills."""
@@ -228,7 +233,7 @@ def build_unit_state(
             spans.append((start, end))
     param_dtype = (layout.slots[0].param if layout.slots else layout.frozen[0]).dtype
     unit = UnitState(layout, placement, param_dtype, trained, spans, state, spare=None, grad_sum=None,
-                     grad_staging=None, param_staging=None, used=[False] * len(layout.slots))
+                     grad_staging=None, param_staging=None, used=[False] * len(layout.slots), own_out=own_out)
     _make_buffers(unit, device, sums_windows=sums_windows, grad_sum_dtype=grad_sum_dtype, pin=pin)
     unit.staging_free.set()
     return unit
@@ -246,6 +251,7 @@ def relocate(unit: UnitState, placement: Placement, device: torch.device, *, gra
     assert unit.phase is Phase.EMPTY
     assert unit.speculation is None
     assert unit.spare is None
+    assert unit.pending_send is None
     before = (unit.state, unit.placement, unit.grad_sum, unit.grad_staging, unit.param_staging)
     try:
         unit.state = [host_empty(t.numel(), t.dtype, device, pin=False).copy_(t) for t in unit.state]  # as built
@@ -268,7 +274,7 @@ def _make_buffers(unit: UnitState, device: torch.device, *, sums_windows: bool, 
         unit.param_staging = None
     elif unit.fp32_params:
         unit.param_staging = unit.master
-    elif same_layout(unit.layout, unit.trained):
+    elif same_layout(unit.layout, unit.trained) and not unit.own_out:
         assert unit.grad_staging is not None
         unit.param_staging = unit.grad_staging[: unit.master.numel()]
     else:

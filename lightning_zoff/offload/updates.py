@@ -24,11 +24,13 @@ class UnitUpdates:
     """Runs units' updates with the `rule` and the current hyperparameters of `optimizer`'s param groups: on the host
     with the fused kernels (`threads` of them), on the accelerator with torch ops in bounded pieces. `scheduler`: the
     worker with overlap (None without, and once the engine detached); `h2d_stream` carries the host's 16-bit shards up,
-    `compute_stream` is the training loop's."""
+    `compute_stream` is the training loop's; `lag` (`update_lag`): a host unit's 16-bit copy is sent at the next step's
+    decision (`OffloadEngine.send_lagged`), not at once."""
 
     def __init__(self, rule: UpdateRule, optimizer: torch.optim.Optimizer, traffic: Traffic,
                  scheduler: HostScheduler | None, *, world_size: int, threads: int | None,
-                 h2d_stream: torch.cuda.Stream | None, compute_stream: torch.cuda.Stream | None) -> None:
+                 h2d_stream: torch.cuda.Stream | None, compute_stream: torch.cuda.Stream | None,
+                 lag: bool = False) -> None:
         self.rule = rule
         self.optimizer = optimizer
         self.traffic = traffic
@@ -37,6 +39,7 @@ class UnitUpdates:
         self.threads = threads
         self.h2d_stream = h2d_stream
         self.compute_stream = compute_stream
+        self.lag = lag  # `update_lag`: a host unit's update waits in its 16-bit copy until the next step's decision
 
     def hyper(self) -> tuple[GroupHyperparams, ...]:
         return tuple(GroupHyperparams.of(g) for g in self.optimizer.param_groups)
@@ -125,6 +128,9 @@ class UnitUpdates:
         updated = [p for p, is_used in zip(unit.trained, used, strict=True) if is_used]
         for param in updated:
             param.step += 1
+        if unit.spare is None and self.lag and unit.placement is Placement.HOST:
+            unit.pending_send = updated  # in `param_staging`, its own buffer, until the next step's decision
+            return
         if unit.spare is None:  # every trained shard when they held the gradient
             self.send(unit, unit.trained if unit.grad_in_shards else updated, unit.param_staging, non_blocking=True)
             return
