@@ -6,6 +6,7 @@ memory plan's."""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Generator
 from contextlib import contextmanager
 
@@ -108,7 +109,9 @@ class Memory:
         if not self._placing_by_peak:
             return
         device = self.group.device
-        peak = torch.cuda.max_memory_reserved(device)
+        # EXPERIMENT (#34, 2026-12-03): place by the allocated peak; removed or made the rule once measured
+        by_allocated = os.environ.get("ZOFF_PLACE_BY_ALLOCATED") == "1"
+        peak = (torch.cuda.max_memory_allocated if by_allocated else torch.cuda.max_memory_reserved)(device)
         there, back = engine.place_by_peak(peak, more=not self._moved_back)
         self._moved_back = self._moved_back or bool(back)  # never forth again: no oscillation
         self._placing_by_peak = bool(there or back)

@@ -84,7 +84,10 @@ def run_child(args: argparse.Namespace, name: str, accumulate: int, steps: int, 
     child = run_function(run_one, kwargs, output="capture", timeout_s=args.run_timeout_s)
     host = {"host_tree_peak_gb": child.peak_tree_rss / 1e9, "wall_s": child.wall_s}
     if child.ok and 0 in child.results:  # rank 0's: the other ranks measured their own share
-        return {**child.results[0], **host}
+        measured = child.results[0]
+        if "reported_at" in measured:  # the process's end after its measurement: teardown and exit
+            host["exit_s"] = child.ended_at - measured["reported_at"]
+        return {**measured, **host}
     error = child.failure()
     return run.entry(**RunFailure(error, outcome_of(error), child.stderr[-2000:]).fields(), **host)
 
@@ -247,8 +250,8 @@ def main() -> None:
               f" {r['peak_gpu_gb']:>12.1f} {r['host_gb']:>8.1f} {times(r['vs_gpu_only']):>12}"
               f" {times(r['vs_best_exact_deepspeed']):>13}")
     references = {a: best_exact_deepspeed(runs, a) for a in args.accumulate}
-    print("* inexact (not AdamW on every parameter every step in fp32 state); vs DeepSpeed: against the fastest"
-          " exact DeepSpeed run at the same accumulation: "
+    print("* inexact (not AdamW on every parameter every step in fp32 state: bf16 moments, update_lag); vs DeepSpeed:"
+          " against the fastest exact DeepSpeed run at the same accumulation: "
           + (", ".join(f"acc {a}: {r['name']}" for a, r in references.items() if r) or "none ran"))
     out.write_text(json.dumps(record, indent=1))
     print(f"wrote {out}")

@@ -11,6 +11,8 @@ import time
 from math import nan
 from typing import Any
 
+import psutil
+
 
 def _now() -> float:
     import torch
@@ -28,6 +30,7 @@ def run_fabric(run: Any, family: type, model_kwargs: dict[str, Any], adamw: dict
     import torch
     from lightning.fabric import Fabric
 
+    from bench_runs import host_floor
     from harness import StepMeasurement
     from lightning_zoff import ZoffFabricStrategy
 
@@ -42,6 +45,7 @@ def run_fabric(run: Any, family: type, model_kwargs: dict[str, Any], adamw: dict
     data.setup("fit")
     batches = iter(fabric.setup_dataloaders(data.train_dataloader()))
     step_s, telemetry, window_peak = [], [], []
+    first_step_at = time.time()
     for _ in range(warmup + steps):
         start = _now()
         if torch.cuda.is_available():
@@ -79,7 +83,9 @@ def run_fabric(run: Any, family: type, model_kwargs: dict[str, Any], adamw: dict
         peak_gpu_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0,
         peak_gpu_reserved_gb=torch.cuda.max_memory_reserved() / 1e9 if torch.cuda.is_available() else 0.0,
         gpu_alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0,
-        host_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, params=params, steps=step_s,
+        host_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+        setup_s=first_step_at - psutil.Process().create_time(), reported_at=time.time(),
+        host_floor=host_floor(fabric.strategy, zoff, step), params=params, steps=step_s,
         forward=[t.get("zoff/forward_s", 0.0) for t in telemetry],
         backward=[t.get("zoff/backward_s", 0.0) for t in telemetry], zoff_options=zoff_options,
         memory=fabric.strategy.memory_report, inexact_because=inexact_because)

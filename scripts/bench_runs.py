@@ -9,7 +9,10 @@ import os
 import resource
 import statistics
 import sys
+import time
 from typing import Any
+
+import psutil
 
 from bench_deepspeed import DEEPSPEED_RUNS, ZERO_STAGE
 from harness import BenchRun, StepMeasurement, parse_options
@@ -27,6 +30,7 @@ ZOFF_VARIANTS: dict[str, dict[str, Any]] = {
     "zoff_accum_gpu": dict(grad_accum_on="accelerator"),
     "zoff_accum_gpu_retained": dict(grad_accum_on="accelerator", retain_gpu_grad_partition_until_step=True),
     "zoff_bf16_moments": dict(optimizer_state_dtype="bf16"),  # 20 B/param of host traffic instead of 28
+    "zoff_lag": dict(update_lag=1),  # the host's update one step late, beside the next step (inexact)
     # the 7B-on-128-GB configuration, all on the host
     "zoff_sync_bf16_moments": dict(overlap=False, optimizer_state_dtype="bf16", accelerator_state="none"),
 }
@@ -45,8 +49,11 @@ def inexact_because(name: str, zoff_options: dict) -> str | None:
     """Why run `name` does not compute AdamW's update of every parameter at every step in fp32 state, or None."""
     if name == "deepspeed_zero2_zenflow":
         return "ZenFlow updates the top gradient columns each step, the rest every update_interval steps"
-    if is_zoff(name) and {**ZOFF_VARIANTS.get(name, {}), **zoff_options}.get("optimizer_state_dtype") == "bf16":
+    options = {**ZOFF_VARIANTS.get(name, {}), **zoff_options} if is_zoff(name) else {}
+    if options.get("optimizer_state_dtype") == "bf16":
         return "moments stored in bf16"
+    if options.get("update_lag"):
+        return "the host's units update one step late (update_lag)"
     return None
 
 
@@ -181,6 +188,30 @@ def cap_gpu_memory(gpu_memory_gb: float | None) -> None:
     torch.cuda.set_per_process_memory_fraction(gpu_memory_gb * 2**30 / total, device)
 
 
+def host_floor(strategy: Any, telemetry: dict[str, float], step_s: float) -> dict[str, float] | None:
+    """A zoff run's host update against the host's floor: the bytes its kernels move per second (each host parameter's
+    gradient read, master and moments read and written, 16-bit copy written) beside the copy bandwidth this machine's
+    cores reach on the kernels' threads (measured now, after training), and PCIe's bytes per second of step."""
+    engine = getattr(strategy, "engine", None)
+    if engine is None or "zoff/cpu_update_s" not in telemetry:
+        return None
+    from lightning_zoff import ops
+    from lightning_zoff.offload.placement import Placement
+
+    host = [u for u in engine.units if u.placement is Placement.HOST and u.trained]
+    probe = ops.stream_probe(nbytes=1 << 29, threads=engine.threads)
+    copy = max(probe["copy"], probe.get("copy_nt", 0.0))
+    floor = {"host_copy_gb_s": copy, "pcie_gb_s": (telemetry.get("zoff/d2h_gb", 0.0)
+                                                   + telemetry.get("zoff/h2d_gb", 0.0)) / step_s}
+    if host and telemetry["zoff/cpu_update_s"] > 0:
+        unit = host[0]
+        per_param = 2 * sum(t.element_size() for t in unit.state) + 2 * unit.param_dtype.itemsize
+        params = sum(u.master.numel() for u in host)
+        update = params * per_param / telemetry["zoff/cpu_update_s"] / 1e9
+        floor |= {"host_params": params, "host_update_gb_s": update, "host_update_of_copy": update / copy}
+    return floor
+
+
 def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int, batch: int, devices: int,
             zoff_option: list[str], ratio: float | None = None, gpu_memory_gb: float | None = None,
             layers: int | None = None, checkpointing: bool = False, clip: float | None = 1.0) -> dict:
@@ -255,6 +286,8 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
         peak_gpu_reserved_gb=torch.cuda.max_memory_reserved() / 1e9 if torch.cuda.is_available() else 0.0,
         gpu_alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0,
         host_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+        setup_s=(timer.first_step_at or time.time()) - psutil.Process().create_time(), reported_at=time.time(),
+        host_floor=host_floor(trainer.strategy, zoff, step_s),
         params=params, steps=timer.steps, forward=timer.forward, backward=timer.backward, zoff_options=zoff_options,
         memory=getattr(trainer.strategy, "memory_report", None), inexact_because=inexact_because(name, zoff_options),
         deepspeed_config=deepspeed_config)

@@ -184,6 +184,7 @@ class ChildRun:
     timeout_s: float | None
     timed_out: bool  # killed, with its whole tree, after timeout_s
     wall_s: float
+    ended_at: float  # the epoch time the process was seen to end (its exit's cost: this less its last report's time)
     peak_tree_rss: int  # bytes, the tree's sum; 0 if it ended before the first sample
     peak_rss_by_pid: dict[int, int]
     results: dict[int, Any]  # what each rank reported, by rank
@@ -242,6 +243,7 @@ def run_command(command: list[str], *, output: Output = "inherit", timeout_s: fl
                     sys.stdout.write(line)
                     tail.append(line)
             proc.wait()
+            ended_at = time.time()
             if timer is not None:
                 timer.cancel()
         wall_s = time.perf_counter() - started
@@ -253,7 +255,8 @@ def run_command(command: list[str], *, output: Output = "inherit", timeout_s: fl
             with path.open("rb") as file:
                 reported[int(path.stem.removeprefix("rank"))] = pickle.load(file)
     return ChildRun(command=list(command), output=output, returncode=proc.returncode, timeout_s=timeout_s,
-                    timed_out=killed.is_set(), wall_s=wall_s, peak_tree_rss=rss.peak, peak_rss_by_pid=rss.peak_by_pid,
+                    timed_out=killed.is_set(), wall_s=wall_s, ended_at=ended_at, peak_tree_rss=rss.peak,
+                    peak_rss_by_pid=rss.peak_by_pid,
                     results=dict(sorted(reported.items())), stdout=stdout, stderr=stderr)
 
 
@@ -356,6 +359,8 @@ class StepMeasurement:
     peak_gpu_reserved_gb: float  # torch.cuda.max_memory_reserved: what the allocator took from the GPU
     gpu_alloc_retries: int  # the allocator's retries after freeing its cache (each a synchronisation: slow steps)
     host_gb: float  # this rank's own peak resident memory
+    setup_s: float  # from the process's start to its first step's
+    reported_at: float  # the epoch time the measurement was made, after fit (bench.py's exit_s starts here)
     params: int
     steps: list[float]
     forward: list[float]
@@ -364,9 +369,10 @@ class StepMeasurement:
     memory: dict[str, Any] | None  # zoff's memory report
     inexact_because: str | None = None
     deepspeed_config: dict[str, Any] | None = None  # the dict DeepSpeed got, Lightning's additions included
+    host_floor: dict[str, float] | None = None  # zoff: the host update's bandwidth against the machine's (`host_floor`)
 
     def fields(self) -> dict[str, Any]:
-        return _fields(self, optional=("inexact_because", "deepspeed_config"))
+        return _fields(self, optional=("inexact_because", "deepspeed_config", "host_floor"))
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ class WindowTimer(pl.Callback):
 
     def __init__(self, accumulate: int) -> None:
         self.accumulate = accumulate
+        self.first_step_at: float | None = None  # the epoch time the first step started (setup ends there)
         self.step_start: float | None = None
         self.opt_start: float | None = None
         self.steps: list[float] = []
@@ -86,6 +87,8 @@ class WindowTimer(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         self.last_in_window = (batch_idx + 1) % self.accumulate == 0
+        if self.first_step_at is None:
+            self.first_step_at = time.time()
         if self.step_start is None:
             self.step_start = self._now()
             if torch.cuda.is_available():

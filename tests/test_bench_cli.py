@@ -193,6 +193,13 @@ def test_cpu_run_records_model_and_gpu_memory(tmp_path):
     assert run["step_s_median"] > 0
     assert run["host_tree_peak_gb"] > 0.1  # the child's tree, sampled while it ran: Python, torch and Lightning
     assert run["wall_s"] > 0
+    assert 0 < run["setup_s"] < run["wall_s"]  # from the child's start to its first step
+    assert 0 <= run["exit_s"] < run["wall_s"]  # from its measurement to its end
+    floor = run["host_floor"]  # every unit on the host: the update's bytes per second against the machine's copy
+    assert floor["host_params"] == run["params"]
+    assert floor["host_copy_gb_s"] > 0
+    assert floor["host_update_gb_s"] > 0
+    assert floor["host_update_of_copy"] == pytest.approx(floor["host_update_gb_s"] / floor["host_copy_gb_s"])
     schema = {f.name for f in dataclasses.fields(harness.BenchRun) if f.name != "ratio"}
     schema |= {f.name for f in dataclasses.fields(harness.StepMeasurement)} - {"inexact_because", "deepspeed_config"}
     assert schema <= set(run)
