@@ -5,17 +5,18 @@ t-1, while clipping decides on the step's own gradient. On CPU ranks every unit 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
-
 from torch.utils.data import DataLoader, TensorDataset
 
 from fabric_loop import RankRows
 from lightning_zoff import ZoffStrategy
+from lightning_zoff.offload.memory_plan import StateOptions, host_bytes_per_element
 from tiny import Probe, TinyModule, read_probe, token_loader
 
 STEPS, BATCH, MAX_NORM = 8, 4, 0.84  # BATCH per rank and micro-batch; 2 ranks
@@ -35,7 +36,9 @@ def zoff_run(tmp_path, accumulate: int, steps: int = STEPS, rows: int = 192, cal
     inputs, targets = (t[:rows] for t in token_loader().dataset.tensors)  # rank r's rows: r, r + 2, ... in order
     loader = DataLoader(TensorDataset(inputs, targets), batch_size=BATCH, sampler=RankRows(rows, 2))
     trainer.fit(module, loader, ckpt_path=ckpt_path)
-    return read_probe(tmp_path)["losses"], module.state_dict()
+    probe = read_probe(tmp_path)
+    assert probe["held"]["host"] == probe["planned"]["host"]  # the plan holds every byte, the lag's buffers too
+    return probe["losses"], module.state_dict()
 
 
 def delayed_adamw(accumulate: int, lag: int) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -86,6 +89,15 @@ def test_lag_one_equals_a_delayed_adamw(tmp_path, accumulate):
     assert weights.keys() == expected_weights.keys()
     for name, value in weights.items():  # the last update applied at the end of fit: the masters
         torch.testing.assert_close(value, expected_weights[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_plan_counts_the_lags_buffers():
+    plain = StateOptions(param_bytes=2, moment_bytes=4, moments=2, sum_bytes=4)
+    lagging = dataclasses.replace(plain, update_lag=True)
+    # 2 B landing, 4 B sum, and the 16-bit copy over the landing buffer; lagging: a second landing buffer and sum, the
+    # copy a buffer of its own
+    assert host_bytes_per_element(plain) == 12 + 4 + 2
+    assert host_bytes_per_element(lagging) == 12 + 2 * (4 + 2) + 2
 
 
 def test_lag_gives_the_same_bits_with_and_without_overlap(tmp_path):

@@ -122,7 +122,7 @@ class OffloadEngine:
                 layout, masters, group_of, placement=where,
                 device=self.state_device if where is Placement.HOST else self.param_device, moments=moments,
                 moment_dtype=config.moment_dtype, sums_windows=self.sums_windows, grad_sum_dtype=config.accum_dtype,
-                pin=config.pin_memory and where is Placement.HOST, own_out=self.lag)
+                pin=config.pin_memory and where is Placement.HOST, lagging=self.lag)
         self.units = [built[layout.name] for layout, _ in layouts]
         self._modules = [module for _, module in layouts]
         on_cuda = self.param_device.type == "cuda"
@@ -191,15 +191,20 @@ class OffloadEngine:
             self.traffic.add(h2d_bytes=sum(p.slot.local.nbytes for unit in host_units
                                            for p, used in zip(unit.trained, decision.used[unit], strict=True) if used))
         landed = self.landing.landed_order
-        # the next forward needs them about in the reverse of backward's order; lagging, the next backward's landings
-        # (which wait for the unit's update) come in backward's order
-        order = (landed if self.lag else landed[::-1]) + [u for u in units if u not in landed]
-        for unit in order:
+        order = landed[::-1] + [u for u in units if u not in landed]
+        for unit in order:  # the next forward needs them about in the reverse of backward's order
+            if self.lag and unit.placement is Placement.HOST:  # its next window starts now, beside this update
+                lagged = functools.partial(self.updates.lagged, unit, unit.set_window_apart(), decision)
+                if self.scheduler is not None:
+                    self.scheduler.finalize(lagged)
+                else:
+                    lagged()
+                continue
             unit.phase = Phase.FINALIZING
             if self.scheduler is not None and self.landing.on_worker(unit):
                 self.scheduler.finalize(functools.partial(self.updates.finalize, unit, decision))
         for unit in order:  # the accelerator's units meanwhile, queued on its stream
-            if not self.landing.on_worker(unit):
+            if unit.phase is Phase.FINALIZING and not self.landing.on_worker(unit):
                 self.updates.finalize(unit, decision)
         return outcome
 
@@ -227,7 +232,7 @@ class OffloadEngine:
             self._seen_forward.append(unit.layout.name)
             if len(self._seen_forward) == len(self._hooks):  # seen whole: forwards stop paying for the record
                 self._take_seen_forward()
-        if self.scheduler is not None and not (self.lag and unit.placement is Placement.HOST):
+        if self.scheduler is not None:
             self.gate_wait_s += self.scheduler.wait_finalized(unit)
         order_after_copy(unit.params_copied, self._modules[index], self.param_device)
 

@@ -22,7 +22,6 @@ class LandingOptions:
     accumulate_on_accelerator: bool  # grad_accum_on == "accelerator"
     retain_device_sum: bool  # retain_gpu_grad_partition_until_step
     threads: int | None  # of the host kernels
-    wait_for_update: bool = False  # `update_lag`: a unit's last update may still run as its next gradient arrives
 
 
 class GradientLanding:
@@ -83,8 +82,6 @@ class GradientLanding:
             )
         if self.landed_order:  # FSDP2 made the last unit's gradients its `.grad`s by now: the engine has them
             self._drop_accelerator_grads(self.landed_order[-1])
-        if self.options.wait_for_update and self.scheduler is not None:
-            self.scheduler.wait_finalized(unit)  # lagging: the last step's update reads the unit's gradient and sum
         unit.staging_free.wait()  # the worker still reads the previous micro-batch's shard (rare: it keeps up)
         unit.staging_free.clear()
         window_ends = self.window_ends

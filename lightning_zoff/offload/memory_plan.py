@@ -84,7 +84,7 @@ class StateOptions:
     retain_device_sum: bool = False  # ... for the whole window, every unit's at once
     overlap: bool = True  # speculation into the host's spare sets
     pin: bool = True
-    update_lag: bool = False  # host units keep their 16-bit copy apart from the gradient (it leaves a step later)
+    update_lag: bool = False  # host units: a second landing buffer and sum, and the 16-bit copy in a buffer of its own
 
     @classmethod
     def of(cls, config: ZoffConfig, *, param_bytes: int, moments: int, sums_windows: bool) -> StateOptions:
@@ -119,6 +119,9 @@ def unit_buffers(shape: UnitShape, options: StateOptions, placement: Placement) 
         buffers["grad_landing"] = options.param_bytes * shape.reduced
         shared = shape.same_layout and not options.update_lag  # the kernel writes the copy over the gradient it read
         buffers["param_out"] = 0 if shared else options.out_bytes(shape.trained)
+        if options.update_lag:  # the window being updated, apart from the next one landing
+            buffers["grad_landing_apart"] = buffers["grad_landing"]
+            buffers["grad_sum_apart"] = buffers["grad_sum"]
     return buffers
 
 

@@ -132,9 +132,12 @@ class UnitState:
     grad_copied: torch.cuda.Event | None = None
     params_copied: torch.cuda.Event | None = None
     staging_free: threading.Event = field(default_factory=threading.Event)  # grad_staging may be overwritten
-    # on the host, with `update_lag`: the 16-bit copy has a buffer of its own even where the layouts agree (the next
-    # window's gradient lands before the copy leaves), and what the last update left there still to send
-    own_out: bool = False
+    # on the host, with `update_lag`: a window's update runs beside the next window, so the unit has a second landing
+    # buffer and window sum (`set_window_apart` swaps them), and its 16-bit copy a buffer of its own even where the
+    # layouts agree; `pending_send`: the parameters of the last update, still to go to the accelerator
+    lagging: bool = False
+    apart_staging: torch.Tensor | None = None
+    apart_sum: torch.Tensor | None = None
     pending_send: list[TrainedParam] | None = None
 
     @property
@@ -158,6 +161,23 @@ class UnitState:
         """The parameter's unpadded rows in one of the unit's state-laid buffers (master, moments, param_staging)."""
         return flat[param.state_offset : param.state_offset + param.slot.numel]
 
+    def set_window_apart(self) -> torch.Tensor:
+        """With `update_lag`, at the decision: the window's gradient, for its update on the worker, and the unit EMPTY
+        for the next window, which lands in the other landing buffer (or sum). The training thread's, at the step."""
+        grad = self.window_grad
+        assert self.lagging
+        assert grad is not None
+        if grad is self.grad_staging:
+            self.grad_staging, self.apart_staging = self.apart_staging, grad
+        else:
+            assert grad is self.grad_sum
+            if self.apart_sum is None:  # the first window of several micro-batches
+                self.apart_sum = host_empty(grad.numel(), grad.dtype, grad.device, grad.is_pinned())
+            self.grad_sum, self.apart_sum = self.apart_sum, grad
+        self.window_grad, self.sumsq, self.phase = None, None, Phase.EMPTY
+        self.staging_free.set()
+        return grad
+
     def swap_spare(self) -> SpareSet:
         """Make the spare state (a kept speculation) the unit's; returns the old state with the spare's 16-bit copy,
         which still feeds this step's copy to the accelerator: the pool's next set."""
@@ -171,7 +191,7 @@ class UnitState:
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor the unit allocated for the optimizer (what its memory is; a lent spare set is the pool's)."""
         tensors = [*self.state]
-        tensors += [t for t in (self.grad_staging, self.grad_sum) if t is not None]
+        tensors += [t for t in (self.grad_staging, self.grad_sum, self.apart_staging, self.apart_sum) if t is not None]
         if self.param_staging is not None and not self._out_is_shared():
             tensors.append(self.param_staging)
         return tensors
@@ -207,7 +227,7 @@ def build_unit_state(
     sums_windows: bool,
     grad_sum_dtype: torch.dtype,
     pin: bool,
-    own_out: bool = False,
+    lagging: bool = False,
 ) -> UnitState:
     """State for the unit's trained parameters on `device`, their rows taken from `masters` (fp32 shards by id of
     the sharded parameter), which are consumed: the model's fp32 copies are freed as the state fills."""
@@ -233,7 +253,7 @@ def build_unit_state(
             spans.append((start, end))
     param_dtype = (layout.slots[0].param if layout.slots else layout.frozen[0]).dtype
     unit = UnitState(layout, placement, param_dtype, trained, spans, state, spare=None, grad_sum=None,
-                     grad_staging=None, param_staging=None, used=[False] * len(layout.slots), own_out=own_out)
+                     grad_staging=None, param_staging=None, used=[False] * len(layout.slots), lagging=lagging)
     _make_buffers(unit, device, sums_windows=sums_windows, grad_sum_dtype=grad_sum_dtype, pin=pin)
     unit.staging_free.set()
     return unit
@@ -270,11 +290,14 @@ def _make_buffers(unit: UnitState, device: torch.device, *, sums_windows: bool, 
     n, host = unit.layout.flat_numel, unit.placement is Placement.HOST
     unit.grad_sum = host_empty(n, grad_sum_dtype, device, pin and host).zero_() if sums_windows else None
     unit.grad_staging = host_empty(n, unit.param_dtype, device, pin) if host else None
+    lag = unit.lagging and host
+    unit.apart_staging = host_empty(n, unit.param_dtype, device, pin) if lag else None
+    unit.apart_sum = host_empty(n, grad_sum_dtype, device, pin).zero_() if lag and sums_windows else None
     if not host:
         unit.param_staging = None
     elif unit.fp32_params:
         unit.param_staging = unit.master
-    elif same_layout(unit.layout, unit.trained) and not unit.own_out:
+    elif same_layout(unit.layout, unit.trained) and not lag:
         assert unit.grad_staging is not None
         unit.param_staging = unit.grad_staging[: unit.master.numel()]
     else:

@@ -79,16 +79,26 @@ class UnitUpdates:
             unit.phase = Phase.EMPTY
             unit.staging_free.set()
 
-    def update(self, unit: UnitState, key: UpdateKey) -> None:
-        """Run the update over every run of the key: into the spare set when speculating, else in place. On the host one
-        kernel call per run (its threads split it); on the accelerator in pieces, through a bounded fp32 workspace."""
+    @torch.no_grad()
+    def lagged(self, unit: UnitState, grad: torch.Tensor, decision: Decision) -> None:
+        """With `update_lag`: a host unit's update of a decided step from `grad`, that window's gradient, in the buffer
+        the unit set apart at the decision (`UnitState.set_window_apart`) while its next window lands in the other;
+        the 16-bit copy waits in `param_staging` for the next decision (`OffloadEngine.send_lagged`)."""
+        if not decision.skipped:
+            self.update(unit, self.key(unit, decision.scale, decision.hyper, decision.used[unit]), grad)
+            self._commit(unit, decision.used[unit])
+
+    def update(self, unit: UnitState, key: UpdateKey, grad: torch.Tensor | None = None) -> None:
+        """Run the update over every run of the key, from `grad` (default: the unit's window gradient): into the spare
+        set when speculating, else in place. On the host one kernel call per run (its threads split it); on the
+        accelerator in pieces, through a bounded fp32 workspace."""
         on_host = unit.placement is Placement.HOST
         if on_host and unit.params_copied is not None:  # param_staging still feeds the last step's copy
             unit.params_copied.synchronize()
         if unit.grad_in_shards:
             self._update_from_shards(unit, key)
             return
-        grad, state, spare = unit.window_grad, unit.state, unit.spare
+        grad, state, spare = unit.window_grad if grad is None else grad, unit.state, unit.spare
         assert grad is not None
         out = spare.out if spare is not None else unit.param_staging
         if unit.fp32_params:
@@ -128,7 +138,7 @@ class UnitUpdates:
         updated = [p for p, is_used in zip(unit.trained, used, strict=True) if is_used]
         for param in updated:
             param.step += 1
-        if unit.spare is None and self.lag and unit.placement is Placement.HOST:
+        if self.lag and unit.placement is Placement.HOST:
             unit.pending_send = updated  # in `param_staging`, its own buffer, until the next step's decision
             return
         if unit.spare is None:  # every trained shard when they held the gradient
