@@ -168,8 +168,10 @@ class ShardedTraining:
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor] | str | Path, strict: bool = True,
                              prefix: str | None = None) -> None:
-        """Whole weights into the sharded model (`Checkpoints.load_full_state_dict`)."""
-        self.checkpoints.load_full_state_dict(self._module(), self.engine, state_dict, strict, prefix)
+        """Whole weights into the sharded model (`Checkpoints.load_full_state_dict`): its state, or before an engine
+        exists the fp32 masters it will start from."""
+        self.checkpoints.load_full_state_dict(self._module(), self.engine, state_dict, strict, prefix,
+                                              masters=self.masters)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The module's state dict with fp32 master weights, on every rank (a collective)."""

@@ -20,6 +20,7 @@ from lightning_zoff.checkpoint.state import (
     finish_restore,
     full_optimizer_state,
     full_state_dict,
+    mismatched_shapes,
     sharded_model_state,
     sharded_optimizer_state,
     unmatched_keys,
@@ -126,24 +127,28 @@ class Checkpoints:
 
     def load_full_state_dict(
         self, module: nn.Module, engine: OffloadEngine | None, state_dict: dict[str, torch.Tensor] | str | Path,
-        strict: bool = True, prefix: str | None = None
+        strict: bool = True, prefix: str | None = None, masters: dict[int, torch.Tensor] | None = None
     ) -> None:
         """Load whole (unsharded) weights, such as a pretrained model's, into the sharded model: every rank copies
-        only its own rows into its fp32 master and refreshes its 16-bit shards. Call it once the strategy is set up
-        (for example in `on_fit_start`).
+        only its own rows into its fp32 master and refreshes its 16-bit shards. Call it once the model is sharded;
+        before its optimizer is set up, the weights go to the `masters` the engine will start from.
 
         `state_dict` is a dict of tensors or a path: a directory written by Hugging Face `save_pretrained`
         (model.safetensors, sharded with model.safetensors.index.json, or pytorch_model.bin), a .safetensors file
-        (a rank reads only its rows), or a torch.save file such as a .pt, .bin or Lightning .ckpt (memory-mapped).
-        `prefix` goes before every name of the weights to give the LightningModule's (``"model."`` for a Hugging Face
-        model held as ``self.model``); by default the prefix (none, or a submodule's name) under which the most names
-        match. `strict=False` loads the names that match, but refuses weights of which none do."""
-        if engine is None:
-            raise RuntimeError("load_full_state_dict needs the sharded model and its optimizer state: call it once"
-                               " fit has set up the strategy (for example in `on_fit_start`).")
+        (a rank reads only its rows), or a torch.save file such as a .pt, .bin or Lightning .ckpt, or Fabric's
+        `{"model": state_dict}` (memory-mapped). `prefix` goes before every name of the weights to give the module's
+        (``"model."`` for a Hugging Face model held as ``self.model``); by default the prefix (none, or a submodule's
+        name) under which the most names match. `strict=False` loads the names that match, but refuses weights of which
+        none do. Missing or unexpected names (strict) and shapes that differ are refused before anything changes."""
+        if engine is None and masters is None:
+            raise RuntimeError("load_full_state_dict needs the sharded model: call it once fit has set up the strategy"
+                               " (for example in `on_fit_start`).")
         weights: dict[str, Any] = read_weights(state_dict) if isinstance(state_dict, (str, Path)) else state_dict
-        engine.wait_idle()
-        targets = sharded_model_state(module, engine, self._mesh())
+        if engine is not None:
+            engine.wait_idle()
+            targets = sharded_model_state(module, engine, self._mesh())
+        else:
+            targets = weight_targets(module)
         state_dict, prefix = to_module_names(weights, targets.keys(), module, prefix)
         missing, unexpected = unmatched_keys(module, targets, state_dict)
         if strict and (missing or unexpected):
@@ -151,9 +156,18 @@ class Checkpoints:
             raise KeyError(f"load_full_state_dict: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}"
                            f" ({len(missing)} and {len(unexpected)}{renamed}); pass strict=False to load the keys that"
                            " match.")
-        fill_from_full({k: v for k, v in targets.items() if k in state_dict}, state_dict, self.group.world_size,
-                       self.group.global_rank)
-        finish_restore(module, engine, None, None)
+        loaded = {k: v for k, v in targets.items() if k in state_dict}
+        wrong = mismatched_shapes(loaded, state_dict)
+        if wrong:
+            raise ValueError(f"load_full_state_dict: shapes differ from the model's: {wrong[:8]}"
+                             f"{f' and {len(wrong) - 8} more' if len(wrong) > 8 else ''}; these are weights of another"
+                             " model or configuration.")
+        fill_from_full(loaded, state_dict, self.group.world_size, self.group.global_rank)
+        if engine is not None:
+            finish_restore(module, engine, None, None)
+        else:
+            assert masters is not None
+            apply_weights(module, targets, masters)
 
     @staticmethod
     def full_state_dict(module: nn.Module, engine: OffloadEngine) -> dict[str, torch.Tensor]:

@@ -194,6 +194,20 @@ def read(path: Path, weights_only: bool | None = None) -> dict[str, Any]:
     return checkpoint
 
 
+def is_zoff_checkpoint(path: Path) -> bool:
+    """Whether `path` is a zoff checkpoint: a directory with its meta file, or a file that holds zoff's description
+    (read memory-mapped: whole weights files are not read through)."""
+    if path.is_dir():
+        return (path / META_FILE).exists()
+    if not path.is_file() or path.suffix == ".safetensors":
+        return False
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception:
+        return False
+    return isinstance(checkpoint, dict) and isinstance(checkpoint.get("zoff"), dict)
+
+
 def check_format(checkpoint: dict[str, Any], path: Path) -> dict[str, Any]:
     """zoff's description of the checkpoint, if it is one this version reads."""
     path = path / META_FILE if path.is_dir() else path  # where the description lives

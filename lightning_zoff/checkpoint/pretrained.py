@@ -1,7 +1,7 @@
 """Whole weights as users have them, for `ZoffStrategy.load_full_state_dict`: a directory written by Hugging Face
 `save_pretrained` (``model.safetensors``, sharded ``model.safetensors.index.json``, or ``pytorch_model.bin``), one
-``.safetensors`` file, or a ``torch.save`` file (a Lightning checkpoint's ``state_dict`` included); and their names
-mapped to the LightningModule's.
+``.safetensors`` file, or a ``torch.save`` file (a Lightning checkpoint's ``state_dict`` and Fabric's ``{"model": ...}``
+included); and their names mapped to the module's.
 
 safetensors files are read lazily: a rank reads only its own rows of each tensor it loads.
 """
@@ -42,6 +42,9 @@ class OnDisk:
     def whole(self) -> torch.Tensor:
         return self.file.get_tensor(self.name)
 
+    def shape_on_disk(self) -> list[int]:
+        return list(self.file.get_slice(self.name).get_shape())
+
 
 def read_weights(path: str | Path) -> dict[str, torch.Tensor | OnDisk]:
     """The tensors at `path` by their names in the file: torch.save files memory-mapped, safetensors ones lazily."""
@@ -70,7 +73,10 @@ def _read_file(path: Path) -> dict[str, torch.Tensor | OnDisk]:
         file = safe_open(str(path), framework="pt", device="cpu")
         return {name: OnDisk(file, name) for name in file.keys()}  # noqa: SIM118  (safetensors' handle has no __iter__)
     state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    return state.get("state_dict", state)
+    for key in ("state_dict", "model"):  # a Lightning checkpoint; what `fabric.save(path, {"model": m})` wrote
+        if isinstance(state.get(key), dict):
+            return state[key]
+    return state
 
 
 def to_module_names(

@@ -152,6 +152,17 @@ def unmatched_keys(module: nn.Module, targets: dict[str, Any], full: dict[str, A
     return sorted(missing), sorted(full.keys() - targets.keys())
 
 
+def mismatched_shapes(targets: dict[str, torch.Tensor], full: dict[str, Any]) -> list[str]:
+    """`name: file shape != model shape` for each tensor of `full` whose whole shape differs from its target's."""
+    wrong = []
+    for key, target in targets.items():
+        source = full[key]
+        shape = tuple(source.shape if isinstance(source, torch.Tensor) else source.shape_on_disk())
+        if shape != tuple(target.shape):
+            wrong.append(f"{key}: {list(shape)} in the weights, {list(target.shape)} in the model")
+    return wrong
+
+
 def fill_from_full(targets: dict[str, Any], full: dict[str, Any], world_size: int, rank: int) -> None:
     """Copy this rank's rows of each whole tensor in `full` into the (sharded or plain) tensor at the same key of
     `targets`, recursing into dicts; the counterpart of a sharded load for a checkpoint saved whole. A tensor still

@@ -214,8 +214,13 @@ class ZoffFabricStrategy(FrontDoor, ParallelStrategy):
     @override
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
                         ) -> dict[str, Any]:
-        if isinstance(state, nn.Module):
-            state = {"model": state}
+        if isinstance(state, torch.optim.Optimizer):
+            raise ValueError("strategy='zoff' keeps the optimizer's state in its own checkpoints:"
+                             " fabric.load(path, {'model': model, 'optimizer': optimizer}) restores it; fabric.load_raw"
+                             " loads a model's weights only.")
+        if isinstance(state, nn.Module):  # fabric.load_raw(path, model): whole weights, a pretrained model's
+            checkpoints.load_raw(self._training(), path, strict)
+            return {}
         if not isinstance(state, dict) or not any(isinstance(v, nn.Module) for v in state.values()):
             raise ValueError("strategy='zoff' loads into the set-up model: fabric.load(path, {'model': model,"
                              " 'optimizer': optimizer, ...}).")
