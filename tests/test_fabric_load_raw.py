@@ -95,13 +95,13 @@ def refused(fabric: Fabric, path: str, what: str) -> bool:
     return False
 
 
-@pytest.mark.parametrize(("what", "error", "message"), [
-    ("names", KeyError, r"missing keys \['model.head.weight'\], unexpected keys \['model.lm_head.weight'\]"),
-    ("shape", ValueError, r"shapes differ from the model's: \['model.head.weight: \[32, 32\] in the weights,"
-                          r" \[64, 32\] in the model'\]"),
-    ("optimizer", ValueError, r"keeps the optimizer's state in its own checkpoints"),
+@pytest.mark.parametrize(("what", "message"), [
+    ("names", r"KeyError: .*missing keys \['model.head.weight'\], unexpected keys \['model.lm_head.weight'\]"),
+    ("shape", (r"ValueError: load_full_state_dict: shapes differ from the model's: \['model.head.weight: \[32, 32\]"
+               r" in the weights, \[64, 32\] in the model'\]")),
+    ("optimizer", r"ValueError: strategy='zoff' keeps the optimizer's state in its own checkpoints"),
 ])
-def test_wrong_weights_are_refused_before_anything_changes(files, tmp_path, what, error, message):
+def test_wrong_weights_are_refused_before_anything_changes(files, tmp_path, what, message):
     weights = dict(files[1])
     if what == "names":
         weights["model.lm_head.weight"] = weights.pop("model.head.weight")
