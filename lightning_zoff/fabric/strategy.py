@@ -162,6 +162,7 @@ class ZoffFabricStrategy(FrontDoor, ParallelStrategy):
         self.precision.device_type = self.root_device.type
         self.precision.around_forward = training.forward
         training.shard(module, self.precision.param_dtype, fitting=fitting)
+        checkpoints.take_whole_state_dicts(module, training)
         self.barrier()
 
     # -- the training step ----------------------------------------------------------------------------------
