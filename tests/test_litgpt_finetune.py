@@ -61,7 +61,8 @@ def finetune(fabric: Fabric, base: str, data: str, out: str) -> list[float]:
     fabric.log_dict = lambda metrics, step=None: losses.append(float(metrics["loss"]))  # what LitGPT logs each iter
     train = TrainArgs(save_interval=None, log_interval=1, global_batch_size=4, micro_batch_size=1, lr_warmup_steps=1,
                       epochs=1, max_steps=4, max_seq_length=64)
-    evaluation = EvalArgs(interval=1000, max_new_tokens=8, max_iters=1, initial_validation=False, final_validation=False)
+    evaluation = EvalArgs(interval=1000, max_new_tokens=8, max_iters=1, initial_validation=False,
+                          final_validation=False)
     json_data = JSON(Path(data), val_split_fraction=0.25, num_workers=0)
     full.main(fabric, 2, False, 1337, config(), json_data, Path(base), Path(out), train, evaluation, "AdamW")
     return losses
