@@ -1,9 +1,12 @@
-"""scripts/bench.py without a GPU: the plot from made-up runs, DeepSpeed's configurations as dicts, the ratio search
-against made-up outcomes, the failure lines, and one tiny CPU run through the whole command line."""
+"""scripts/bench/bench.py without a GPU: the plot from made-up runs, DeepSpeed's configurations as dicts, the ratio
+search against made-up outcomes, the failure lines, and one tiny CPU run through the whole command line."""
 
 import argparse
 import dataclasses
+import datetime
 import json
+import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +19,7 @@ import bench_plot
 import bench_runs
 import harness
 import model_shapes
+import results
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -56,7 +60,7 @@ def test_labels_name_ratio_and_inexact_runs():
 def test_plot_draws_every_run_failed_ones_included(tmp_path):
     # matplotlib comes with the dev extra (through examples): a missing one fails here rather than skipping
     runs = [{**run, "gpu_memory_gb": 24} for run in FAKE_RUNS]
-    path = bench_plot.plot_runs(runs, tmp_path / "bench.png", title="python scripts/bench.py --model gpt7b")
+    path = bench_plot.plot_runs(runs, tmp_path / "bench.png", title="python scripts/bench/bench.py --model gpt7b")
     assert path == tmp_path / "bench.png"
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -178,10 +182,13 @@ def test_cpu_run_records_model_and_gpu_memory(tmp_path):
     """The whole command line on the CPU (about 15 s once the kernels are built): the entry carries the model and the
     cap (which a CPU run records and cannot apply), and the PNG lands next to the JSON."""
     out = tmp_path / "bench.json"
-    command = [sys.executable, str(SCRIPTS / "bench.py"), "--model", "tiny", "--runs", "zoff", "--accumulate", "1",
-               "--steps", "2", "--warmup", "1", "--batch", "2", "--gpu-memory-gb", "24", "--out", str(out)]
+    command = [sys.executable, str(SCRIPTS / "bench" / "bench.py"), "--model", "tiny", "--runs", "zoff", "--accumulate",
+               "1", "--steps", "2", "--warmup", "1", "--batch", "2", "--gpu-memory-gb", "24", "--out", str(out)]
     subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
     record = json.loads(out.read_text())
+    assert list(record)[:3] == ["date", "machine", "command"]  # write_result's header, then the bench's own keys
+    assert record["machine"] == results.machine()
+    assert record["command"] == shlex.join(["python", "scripts/bench/bench.py", *command[2:]])
     (run,) = record["runs"]
     assert run["model"] == "tiny"
     assert run["gpu_memory_gb"] == 24
@@ -220,3 +227,83 @@ def test_unsupported_run_is_an_entry_without_a_process():
     assert entry["gpu_memory_gb"] is None
     assert entry["exact"] is False
     assert entry["gradient_clip_val"] == 1.0
+
+
+def test_the_runs_are_a_table_of_specs():
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lightning_zoff import ZoffStrategy
+    from lightning_zoff.examples.gpt import Block, GPTModule
+
+    before_the_table = ("gpu_only", *bench_deepspeed.DEEPSPEED_RUNS, "fsdp2_cpu_offload", *bench_runs.ZOFF_VARIANTS,
+                        "zoff_no_offload", "zoff_fabric")  # the names and order --runs offered as an if-chain
+    assert before_the_table == bench_runs.RUNS
+    build, strategy, precision = bench_runs.build_run("gpu_only", "tiny", {})
+    assert (strategy, precision) == ("auto", "bf16-mixed")
+    module = build(None)
+    assert type(module) is GPTModule
+    assert module.hparams["lr"] == ADAMW["lr"]
+    build, strategy, precision = bench_runs.build_run("fsdp2_cpu_offload", "tiny", {})
+    assert isinstance(strategy, ModelParallelStrategy)
+    assert precision == "32-true"  # FSDP2's MixedPrecisionPolicy casts
+    module = build(None)
+    assert isinstance(module, GPTModule)
+    assert type(module).configure_model is bench_runs.ShardedByFSDP2WithCPUOffload.configure_model
+    # a variant's options, then --zoff-option's, then the blocks recomputed with --activation-checkpointing
+    _, strategy, precision = bench_runs.build_run("zoff_sync", "tiny", {"cpu_threads": 1}, checkpointing=True)
+    assert isinstance(strategy, ZoffStrategy)
+    assert precision == "bf16-mixed"
+    config = strategy.config
+    assert (config.overlap, config.accelerator_state, config.cpu_threads, config.offload) == (False, "none", 1, True)
+    assert config.activation_checkpointing_policy == {Block}
+    assert bench_runs.build_run("zoff_no_offload", "tiny", {})[1].config.offload is False
+
+
+@pytest.fixture
+def fresh_machine():
+    results.machine.cache_clear()  # machine() is read once per process; these tests change what it reads
+    yield
+    results.machine.cache_clear()
+
+
+@pytest.fixture
+def two_h200s(tmp_path, monkeypatch, fresh_machine):
+    """An nvidia-smi on PATH that lists two H200s."""
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text("#!/bin/sh\nprintf 'NVIDIA H200\\nNVIDIA H200\\n'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{smi.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+def test_a_result_is_named_by_date_machine_and_what(two_h200s, monkeypatch, tmp_path):
+    today = datetime.date.today()
+    assert results.visible_gpus() == ["NVIDIA H200", "NVIDIA H200"]
+    assert results.result_path("kernels") == results.RESULTS / f"{today}_h200x2_kernels.json"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # as gpu_checks.sh's bench_1of2 stage runs
+    results.machine.cache_clear()
+    assert results.machine()["gpus"] == 1
+    assert results.result_path("bench_gpt1b").name == f"{today}_h200x1_bench_gpt1b.json"
+    assert results.machine_tag(["NVIDIA A100-SXM4-80GB"] * 8, 64) == "a100x8"
+    assert results.machine_tag([], 2) == "cpu2"  # bench/results/2026-12-01_cpu2_sample_after.json
+
+
+def test_write_result_puts_the_header_first(two_h200s, monkeypatch, tmp_path):
+    monkeypatch.setattr(results, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(sys, "argv", [str(SCRIPTS / "bench" / "bench_kernels.py"), "--params", "1e6"])
+    path = results.write_result({"rows": [{"name": "ours"}], "machine_note": "kept"}, "kernels")
+    assert path == tmp_path / "results" / f"{datetime.date.today()}_h200x2_kernels.json"
+    record = json.loads(path.read_text())
+    assert list(record) == ["date", "machine", "command", "rows", "machine_note"]
+    assert record["date"] == datetime.date.today().isoformat()
+    assert record["command"] == "python scripts/bench/bench_kernels.py --params 1e6"
+    machine = record["machine"]
+    assert (machine["tag"], machine["gpu"], machine["gpus"]) == ("h200x2", "NVIDIA H200", 2)
+    assert machine["cores"] == len(os.sched_getaffinity(0))
+    assert machine["torch"].split("+")[0] == __import__("torch").__version__.split("+")[0]
+    assert results.describe(machine).startswith("NVIDIA H200 x2, ")
+    assert results.describe("an older record's line") == "an older record's line"
+    out = tmp_path / "given.json"
+    assert results.write_result({"rows": []}, "kernels", out) == out  # --out wins over the rule
+    assert json.loads(out.read_text())["rows"] == []

@@ -17,7 +17,7 @@ inline void put(T* p, typename V::F x) {
 // Whether the new moments stream along with the new state: only where one vector of them is 32 bytes or more. On the
 // 2-core AMD EPYC test VM (AVX2), streaming bf16 moments (16-byte vectors) made the update into other arrays 5-7x
 // slower than cached stores; fp32 ones (32 bytes) cost 1.5-2x there, and gained 1.55x on the GPU machine's Xeon
-// (AVX-512, 64 bytes). bf16 moments with AVX-512 (32 bytes) stream: not measured yet (scripts/bench_kernels.py).
+// (AVX-512, 64 bytes). bf16 moments with AVX-512 (32 bytes) stream: not measured yet (scripts/bench/bench_kernels.py).
 template <class V, class M>
 constexpr bool kStreamMoments = V::kWidth * sizeof(M) >= 32;
 

@@ -1,7 +1,7 @@
 """The GPU acceptance checks: `python -m pytest tests/gpu` on the GPU machine is the acceptance run.
 
-Each test runs the training jobs of one scripts/check_*.py in fresh processes (scripts/harness.py) and asserts on
-its summary. Without CUDA every test here is skipped at collection, so CI's `pytest tests` passes over them.
+Each test runs the training jobs of one scripts/checks/check_*.py in fresh processes (scripts/lib/harness.py) and
+asserts on its summary. Without CUDA every test here is skipped at collection, so CI's `pytest tests` passes over them.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(autouse=True)
 def threads_as_in_a_users_run(monkeypatch):
     # tests/conftest.py gives the CPU tests one torch thread per process; the runs started here get Lightning's
-    # default, as scripts/gpu_checks.sh's do (test_check_reference's fp32 CPU side would take ~10x longer on one thread)
+    # default, as scripts/device/gpu_checks.sh's do (test_check_reference's fp32 CPU side would take ~10x longer on
+    # one thread)
     if os.environ.get("OMP_NUM_THREADS") == "1":
         monkeypatch.delenv("OMP_NUM_THREADS")

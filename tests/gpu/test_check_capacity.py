@@ -14,7 +14,7 @@ import pytest
 
 from harness import run_command
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "check_capacity.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "checks" / "check_capacity.py"
 HOST_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 

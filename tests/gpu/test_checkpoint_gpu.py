@@ -77,8 +77,9 @@ def test_a_checkpoint_of_state_on_the_gpu_resumes(tmp_path):
 def test_saving_and_loading_state_on_the_gpu_holds_no_host_copy_of_it(tmp_path):
     # the bench's own measurement: a ~45M-parameter GPT with all its optimizer state on the GPU (0.5 GB)
     out = tmp_path / "bench.json"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_checkpoint.py"), "--model", "small", "--option",
-                    "accelerator_state=1.0", "--dir", str(tmp_path), "--out", str(out)], check=True, timeout=600)
+    script = ROOT / "scripts" / "bench" / "bench_checkpoint.py"
+    subprocess.run([sys.executable, str(script), "--model", "small", "--option", "accelerator_state=1.0", "--dir",
+                    str(tmp_path), "--out", str(out)], check=True, timeout=600)
     (run,) = json.loads(out.read_text())["runs"].values()
     state = run["save"][0]["state"]
     assert state["host"] == 0, state

@@ -1,9 +1,9 @@
 """The largest GPT (one width, layers varied) that trains on this machine, for zoff and DeepSpeed: predicted from the
 memory plan, then tried: the predicted size and the next one up, and, should the predicted one fail, the ones below
-until one trains. Each try is one scripts/bench.py run in its own process (5 steps by default).
+until one trains. Each try is one scripts/bench/bench.py run in its own process (5 steps by default).
 
-    python scripts/find_largest.py --runs zoff zoff_bf16_moments --out bench/results/largest.json
-    python scripts/find_largest.py --runs deepspeed_zero3_offload --layers 20 24   # DeepSpeed: the sizes given
+    python scripts/checks/find_largest.py --runs zoff zoff_bf16_moments
+    python scripts/checks/find_largest.py --runs deepspeed_zero3_offload --layers 20 24   # DeepSpeed: the sizes given
 
 Shape: `--model`'s width, heads, vocabulary and sequence (gpt13b: d=5120, 40 heads, seq 1024) at `--batch` 4. The
 prediction (zoff runs) takes the host memory available now (less what a run's process holds before zoff plans, about
@@ -12,27 +12,27 @@ it, with the activations of activation checkpointing (which zoff turns on by its
 policy="auto"`) and the all-gathers, gradients and logits of one step (`step_bytes`). DeepSpeed has no prediction:
 give its sizes with --layers (default: the zoff predictions and 20 layers).
 
-Writes {"machine", "command", "largest": {run: params of the largest that trained, 0 if none}, "predicted": {run:
-layers, as predicted before any try}, "tries": [bench entries with "layers", "params", "outcome" ("trained" or the
-failure's)]}.
+Writes (results.write_result: `--out`, or bench/results/<date>_<machine>_largest.json) {"date", "machine",
+"command", "largest": {run: params of the largest that trained, 0 if none}, "predicted": {run: layers, as predicted
+before any try}, "tries": [bench entries with "layers", "params", "outcome" ("trained" or the failure's)]}.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import shlex
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))  # scripts/lib: the scripts' library
+
 from harness import run_command
 from model_shapes import MODEL_NAMES, model_shape
+from results import ROOT, result_path, write_result
 
-BENCH = Path(__file__).resolve().parent / "bench.py"
+BENCH = ROOT / "scripts" / "bench" / "bench.py"
 MOMENTS = {"zoff": 4, "zoff_bf16_moments": 2}
 
 
@@ -54,8 +54,7 @@ def step_bytes(cfg: dict, layers: int, batch: int) -> int:
 
 def predict_layers(cfg: dict, batch: int, moment_bytes: int, host_available: int, gpu_total: int) -> int:
     """The most layers whose optimizer state the memory plan fits beside `step_bytes` (0 if none)."""
-    from lightning_zoff.offload.memory_plan import Machine, PlanDoesNotFit, StateOptions, UnitShape, plan_memory
-    from lightning_zoff.offload.placement import margin_bytes
+    from lightning_zoff.offload import Machine, PlanDoesNotFit, StateOptions, UnitShape, margin_bytes, plan_memory
 
     options = StateOptions(param_bytes=2, moment_bytes=moment_bytes, moments=2, sum_bytes=0)
     machine = Machine(host_available, gpu_total)
@@ -132,11 +131,9 @@ def main() -> None:
               f" and {gpu / 2**30:.0f} GiB of GPU", flush=True)
     if args.predict_only:
         return
-    out = args.out or Path("bench/results") / f"{datetime.date.today()}_largest.json"
-    command = shlex.join(["python", "scripts/find_largest.py", *sys.argv[1:]])
-    record = {"machine": os.uname().nodename, "command": command,
-              "host_available_gb": host / 1e9, "gpu_gb": gpu / 1e9, "predicted": predicted, "tries": [],
-              "largest": {}}
+    out = args.out or result_path("largest")  # once: every write goes to the same file
+    record: dict = {"host_available_gb": host / 1e9, "gpu_gb": gpu / 1e9, "predicted": predicted, "tries": [],
+                    "largest": {}}
     for run in args.runs:
         sizes = [predicted[run], predicted[run] + args.step_layers] if run in predicted else (args.layers or [20])
         trained, downs, below = 0, 0, predicted.get(run)
@@ -150,10 +147,10 @@ def main() -> None:
                 # the prediction (kept as it was made) was too much: the size below, twice at most
                 below, downs = layers - args.step_layers, downs + 1
                 sizes = [below]
-            out.write_text(json.dumps(record, indent=1))
+            write_result(record, "largest", out)
         key = "deepspeed" if run.startswith("deepspeed") else run
         record["largest"][key] = max(record["largest"].get(key, 0), trained)
-        out.write_text(json.dumps(record, indent=1))
+        write_result(record, "largest", out)
     print("largest:", {run: f"{params / 1e9:.2f}B" for run, params in record["largest"].items()}, f"wrote {out}")
 
 

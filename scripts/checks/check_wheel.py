@@ -2,7 +2,7 @@
 
     python -m pip wheel --no-deps -w /tmp/w/dist .
     python -m pip install --no-deps --target /tmp/w/site /tmp/w/dist/*.whl
-    cd /tmp/w && PYTHONPATH=/tmp/w/site ZOFF_CACHE_DIR=/tmp/w/cache python /path/to/scripts/check_wheel.py
+    cd /tmp/w && PYTHONPATH=/tmp/w/site ZOFF_CACHE_DIR=/tmp/w/cache python /path/to/scripts/checks/check_wheel.py
 
 Fails unless lightning_zoff is imported from outside this checkout, the kernels are built now (the cache directory
 holds no build yet) from the package's own csrc/, and one fused AdamW step equals torch.optim.AdamW's.
@@ -21,7 +21,7 @@ import lightning_zoff
 from lightning_zoff import ops
 from lightning_zoff.ops import build
 
-CHECKOUT = Path(__file__).resolve().parents[1]
+CHECKOUT = Path(__file__).resolve().parents[2]
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 

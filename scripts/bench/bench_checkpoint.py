@@ -2,8 +2,9 @@
 rank) next to another source tree's, such as a revision that writes format version 1 (one torch.distributed.checkpoint
 file per tensor and rank).
 
-    python scripts/bench_checkpoint.py --model gpt7b --baseline 4b94f8b [--ranks 1] [--option accelerator_state=0.5]
-    python scripts/bench_checkpoint.py --width 1024 --blocks 8 --baseline 4b94f8b   # a modest size, for the CPU
+    python scripts/bench/bench_checkpoint.py --model gpt7b --baseline 4b94f8b [--ranks 1] \
+        [--option accelerator_state=0.5]
+    python scripts/bench/bench_checkpoint.py --width 1024 --blocks 8 --baseline 4b94f8b   # a modest size, for the CPU
 
 For each tree, two fresh processes (each starting its ranks, on the GPUs when CUDA is there): one trains a step and
 saves (`trainer.save_checkpoint`, in `on_train_end`), the other resumes from the checkpoint (`fit(ckpt_path=...)`,
@@ -14,28 +15,26 @@ counted, then it is deleted (the disk must hold one: 12 B/param with fp32 moment
 the save just wrote, mostly from the page cache, for both trees alike.
 
 `--baseline` is a directory holding another `lightning_zoff/`, or a git revision of this repository, extracted with
-`git archive` into the work directory. Prints a table and writes JSON (`--out`).
+`git archive` into the work directory. Prints a table and writes JSON (results.write_result: `--out`, or
+bench/results/<date>_<machine>_checkpoint_<model>_<ranks>ranks.json).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
-import psutil
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))  # scripts/lib: the scripts' library
 
 from harness import RssSampler, parse_options, report, run_function
 from model_shapes import model_shape
-
-ROOT = Path(__file__).resolve().parents[1]
-
+from results import ROOT, write_result
 
 # -- in the ranks (run with the tree measured first on PYTHONPATH) -----------------------------------------------
 
@@ -157,7 +156,7 @@ def main() -> None:
     parser.add_argument("--option", action="append", default=[], help="a ZoffStrategy option, key=value")
     parser.add_argument("--baseline", default=None, help="another source tree, or a git revision, to measure too")
     parser.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
-    parser.add_argument("--out", type=Path, default=None, help="the JSON to write")
+    parser.add_argument("--out", type=Path, default=None, help="the JSON to write (default: in bench/results/)")
     args = parser.parse_args()
     if args.model:
         shape = model_shape(args.model)
@@ -170,14 +169,11 @@ def main() -> None:
     if args.baseline:
         trees[f"baseline ({args.baseline})"] = source_tree(args.baseline, work)
     runs = {name: measure(tree, args, shape, options, work) for name, tree in trees.items()}
-    machine = {"host": platform.node(), "cpus": os.cpu_count(), "memory_gb": psutil.virtual_memory().total / 1e9,
-               "python": platform.python_version()}
-    result = {"date": datetime.date.today().isoformat(), "model": args.model, "shape": shape, "ranks": args.ranks,
-              "options": options, "baseline": args.baseline, "machine": machine, "runs": runs}
+    result = {"model": args.model, "shape": shape, "ranks": args.ranks, "options": options, "baseline": args.baseline,
+              "runs": runs}
     print(table(runs))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
+    what = f"checkpoint_{args.model or f'w{args.width}_b{args.blocks}'}_{args.ranks}ranks"
+    print(f"wrote {write_result(result, what, args.out)}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ only imports lightning_zoff gives the interpreter's share of that peak. This pro
 every step as a child: Linux keeps a process's peak RSS across exec, so a child of a big parent would report the
 parent's.
 
-    python scripts/bench_consolidate.py [--width 4096] [--blocks 16] [--ranks 1] [--buffer-mb 256] [--dir DIR]
+    python scripts/bench/bench_consolidate.py [--width 4096] [--blocks 16] [--ranks 1] [--buffer-mb 256] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -14,8 +14,11 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))  # scripts/lib: the scripts' library
 
 from harness import run_function
 

@@ -1,6 +1,6 @@
 """Optimizer state kept on the GPU against all of it on the host, on this machine's accelerator.
 
-    python scripts/check_placement.py --steps 12 --out placement_check.json
+    python scripts/checks/check_placement.py --steps 12 --out placement_check.json
 
 Trains the example GPT in 32-true (clipping on) with `accelerator_state` "none", 0.5, 1.0 and "auto", each in its own
 subprocess, and compares every loss with the all-host run's (the GPU's torch AdamW and the host's kernel round alike
@@ -14,6 +14,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))  # scripts/lib: the scripts' library
 
 from harness import call
 

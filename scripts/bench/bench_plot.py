@@ -1,6 +1,7 @@
-"""The runs of one scripts/bench.py call drawn next to its JSON (same name, .png): per run, one horizontal bar of the
-median optimizer step split into forward, backward, exposed optimizer time and the rest (clipping, data, Lightning),
-and beside it the peak GPU memory and the host memory. Failed runs keep their row, with the error instead of bars."""
+"""The runs of one scripts/bench/bench.py call drawn next to its JSON (same name, .png): per run, one horizontal bar of
+the median optimizer step split into forward, backward, exposed optimizer time and the rest (clipping, data,
+Lightning), and beside it the peak GPU memory and the host memory. Failed runs keep their row, with the error instead
+of bars."""
 
 from __future__ import annotations
 

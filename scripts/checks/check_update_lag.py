@@ -2,7 +2,7 @@
 data, then each run's training loss (rank 0's, from the LossHistory its last checkpoint keeps) and validation loss at
 the last step. Prints a table, writes JSON and one plot of both curves.
 
-    python scripts/check_update_lag.py [--steps 200] [--out bench/results/FILE.json] [key=value ...]
+    python scripts/checks/check_update_lag.py [--steps 200] [--out bench/results/FILE.json] [key=value ...]
 
 Extra `key=value` arguments go to both runs (for example `trainer=gpu`).
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from matplotlib.figure import Figure
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WINDOW = 20  # the training loss at the end: the mean of the last WINDOW steps (one batch's loss is noisy)
 
 

@@ -1,8 +1,8 @@
 """The largest model this host can train with zoff: build it on the meta device, train N steps on the corpus, report.
 
-    python scripts/check_capacity.py --model gpt7b --steps 20 --option optimizer_state_dtype=bf16 \
+    python scripts/checks/check_capacity.py --model gpt7b --steps 20 --option optimizer_state_dtype=bf16 \
         --option overlap=False --out capacity.json
-    python scripts/check_capacity.py --model gpt7b --train-last 2 --steps 10   # fine-tune the last 2 blocks only
+    python scripts/checks/check_capacity.py --model gpt7b --train-last 2 --steps 10   # fine-tune the last 2 blocks only
 
 One process per device (`--devices`, ranks of one node; the CPU with gloo where there is no accelerator). The model
 is built under `trainer.init_module(empty_init=True)`, so no process ever holds it whole; zoff materialises one unit
@@ -20,6 +20,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))  # scripts/lib: the scripts' library
 
 from harness import parse_options
 from model_shapes import MODEL_NAMES, model_shape

@@ -2,18 +2,17 @@
 
 Runs `tests/scripts/refused.py MISTAKE` (a 2-rank Trainer fit with Lightning's default launcher, refused before any
 rank starts) `--repeat` times per mistake, and a child that only imports lightning.pytorch and lightning_zoff. Prints
-the median wall-clock and CPU seconds (the child's own and its children's, user and system) and writes them as JSON.
+the median wall-clock and CPU seconds (the child's own and its children's, user and system) and writes them as JSON
+(results.write_result: `--out`, or bench/results/<date>_<machine>_refusal.json).
 The refusal test (tests/test_errors.py) asserts what happens before a refusal; this script measures how long it takes.
 
-    python scripts/bench_refusal.py [--repeat 3] [--out bench/results/FILE.json]
+    python scripts/bench/bench_refusal.py [--repeat 3] [--out FILE.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -22,7 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
-REFUSED = Path(__file__).parents[1] / "tests" / "scripts" / "refused.py"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))  # scripts/lib: the scripts' library
+
+from results import ROOT, write_result
+
+REFUSED = ROOT / "tests" / "scripts" / "refused.py"
 MISTAKES = ("manual", "sgd", "two", "missing", "foreign")
 IMPORTS = "import lightning.pytorch, lightning_zoff"
 
@@ -69,9 +72,7 @@ def main() -> None:
     print(f"{'run':<10} {'wall s':>8} {'CPU s':>8}")
     for row in rows:
         print(f"{row['run']:<10} {row['wall_s']:>8.2f} {row['cpu_s']:>8.2f}")
-    if args.out:
-        machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
-        args.out.write_text(json.dumps({"machine": machine, "repeat": args.repeat, "runs": rows}, indent=1) + "\n")
+    print(f"wrote {write_result({'repeat': args.repeat, 'runs': rows}, 'refusal', args.out)}")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,16 @@
 """Side-by-side step time of offloaded and GPU-only training, one subprocess per run, one harness for all.
 
-    python scripts/bench.py                          # GPT 1.34B (d=2048, 24 layers, seq 1024, batch 8) on 1 GPU
-    python scripts/bench.py --model small --runs zoff gpu_only --accumulate 1
-    python scripts/bench.py --model gpt7b --batch 4 --accumulate 1 --runs zoff gpu_only
-    python scripts/bench.py --model gpt13b --batch 4 --accumulate 1 --runs zoff deepspeed_zero3_offload_ratio
-    python scripts/bench.py --model gpt7b --batch 1 --accumulate 1 --gpu-memory-gb 24   # as on a 24 GB GPU
-    python scripts/bench.py --model qwen3_4b --runs zoff deepspeed_zero3_offload --accumulate 1 \
+    python scripts/bench/bench.py                          # GPT 1.34B (d=2048, 24 layers, seq 1024, batch 8) on 1 GPU
+    python scripts/bench/bench.py --model small --runs zoff gpu_only --accumulate 1
+    python scripts/bench/bench.py --model gpt7b --batch 4 --accumulate 1 --runs zoff gpu_only
+    python scripts/bench/bench.py --model gpt13b --batch 4 --accumulate 1 --runs zoff deepspeed_zero3_offload_ratio
+    python scripts/bench/bench.py --model gpt7b --batch 1 --accumulate 1 --gpu-memory-gb 24   # as on a 24 GB GPU
+    python scripts/bench/bench.py --model qwen3_4b --runs zoff deepspeed_zero3_offload --accumulate 1 \
         --zoff-option overlap=False
-    python scripts/bench.py --model qwen3_tiny --runs zoff --accumulate 1 --steps 2 --warmup 1   # CPU smoke test
-    python scripts/bench.py --plot bench/results/2026-12-02_h200x1_gpt13b.json   # draw a JSON's PNG again
+    python scripts/bench/bench.py --model qwen3_tiny --runs zoff --accumulate 1 --steps 2 --warmup 1   # CPU smoke test
+    python scripts/bench/bench.py --plot bench/results/2026-12-02_h200x1_gpt13b_b4_zoff.json   # draw a JSON's PNG again
 
-Without --runs: gpu_only, zoff, DeepSpeed's four configurations (scripts/bench_deepspeed.py: ZeRO-3 and ZeRO-2
+Without --runs: gpu_only, zoff, DeepSpeed's four configurations (scripts/bench/bench_deepspeed.py: ZeRO-3 and ZeRO-2
 with the optimizer on the CPU, ZeRO-3 with part of the optimizer on the GPU (`offload_optimizer.ratio`), ZeRO-2 +
 ZenFlow) and fsdp2_cpu_offload (FSDP2's own CPUOffloadPolicy); --runs takes the zoff variants too.
 
@@ -31,14 +31,15 @@ the whole measurement. One value in --ratios skips the search.
 (`torch.cuda.set_per_process_memory_fraction`) before anything is built. The CUDA context, NCCL's and DeepSpeed's own
 buffers outside torch's allocator are not counted, and `torch.cuda.mem_get_info` still reports the whole GPU.
 
-Prints a table and writes bench/results/<date>_<machine>.json (bench/README.md collects them) and the same name with
-.png (scripts/bench_plot.py: each run's step split into forward, backward and exposed optimizer time; peak GPU and host
-memory): {"machine", "command", "gpu_memory_gb", "runs": [{"name", "model", "accumulate", "batch", "gpu_memory_gb"
-(null: uncapped), "exact" (false: not AdamW's update of every parameter at every step, e.g. ZenFlow, bf16 moments),
-"step_s_median", "step_s_mean", "tokens_per_s", "forward_s", "backward_s", "exposed_optimizer_s", "peak_gpu_gb",
-"host_gb", "host_tree_peak_gb", "params", "vs_gpu_only", "vs_best_exact_deepspeed", ...}, ...]}. DeepSpeed runs add
-"deepspeed_config" (the dict DeepSpeed got), the ratio run "ratio" and "ratio_tries" (each try's ratio, outcome and
-error). A run that fails keeps its entry, with "error" (the failure's last meaningful line), "outcome" ("gpu_oom",
+Prints a table and writes bench/results/<date>_<machine>_bench_<model>.json (results.write_result; bench/README.md
+collects them) and the same name with .png (bench_plot.py: each run's step split into forward, backward and exposed
+optimizer time; peak GPU and host memory): {"date", "machine", "command", "gpu_memory_gb", "runs": [{"name", "model",
+"accumulate", "batch", "gpu_memory_gb" (null: uncapped), "exact" (false: not AdamW's update of every parameter at
+every step, e.g. ZenFlow, bf16 moments), "step_s_median", "step_s_mean", "tokens_per_s", "forward_s", "backward_s",
+"exposed_optimizer_s", "peak_gpu_gb", "host_gb", "host_tree_peak_gb", "params", "vs_gpu_only",
+"vs_best_exact_deepspeed", ...}, ...]}. DeepSpeed runs add "deepspeed_config" (the dict DeepSpeed got), the ratio run
+"ratio" and "ratio_tries" (each try's ratio, outcome and error). A run that fails keeps its entry, with "error" (the
+failure's last meaningful line), "outcome" ("gpu_oom",
 "host_oom", "timeout" or "error") and "stderr_tail" instead of the measurements.
 
 "exposed_optimizer_s" is the median wall time from the end of the window's last backward (after clipping) to the end
@@ -53,19 +54,18 @@ in every process that maps it); "host_gb" is rank 0's own peak.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import shlex
-import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))  # scripts/lib: the scripts' library
 
 from bench_deepspeed import DEEPSPEED_RUNS, RATIOS, unsupported
 from bench_runs import DEFAULT_RUNS, RUNS, bench_run, run_one
 from harness import RunFailure, outcome_of, run_function
 from model_shapes import MODEL_NAMES
+from results import describe, machine, result_path, write_result
 
 
 def run_child(args: argparse.Namespace, name: str, accumulate: int, steps: int, warmup: int,
@@ -174,7 +174,7 @@ def compare(runs: list[dict]) -> None:
 def plot(record: dict, out: Path) -> None:
     from bench_plot import plot_runs
 
-    title = f"{record['command']}\n{record['machine']}"
+    title = f"{record['command']}\n{describe(record['machine'])}"
     if plot_runs(record["runs"], out.with_suffix(".png"), title) is not None:
         print(f"wrote {out.with_suffix('.png')}")
 
@@ -207,16 +207,9 @@ def main() -> None:
     if args.plot:
         plot(json.loads(args.plot.read_text()), args.plot)
         return
-    import torch
-
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    machine = (f"{device} x{torch.cuda.device_count()}, {platform.processor() or platform.machine()},"
-               f" host {socket.gethostname()}")
-    out = args.out or Path("bench/results") / f"{datetime.date.today()}_{socket.gethostname()}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    runs = []
-    record = {"machine": machine, "command": shlex.join(["python", "scripts/bench.py", *sys.argv[1:]]),
-              "gpu_memory_gb": args.gpu_memory_gb, "runs": runs}
+    out = args.out or result_path(f"bench_{args.model}")  # once: every write goes to the same file
+    runs: list[dict] = []
+    record = {"gpu_memory_gb": args.gpu_memory_gb, "runs": runs}
     for accumulate in args.accumulate:
         for name in args.runs:
             if name == "deepspeed_zero3_offload_ratio":
@@ -224,7 +217,7 @@ def main() -> None:
             else:
                 r = run_child(args, name, accumulate, args.steps, args.warmup)
             runs.append(r)
-            out.write_text(json.dumps(record, indent=1))  # a timeout keeps what ran
+            write_result(record, "bench", out)  # a timeout keeps what ran
             if "error" in r:
                 print(f"{name:>18} acc={accumulate} failed ({r['outcome']}): {r['error']}", file=sys.stderr, flush=True)
                 continue
@@ -234,8 +227,9 @@ def main() -> None:
                   f" peak_gpu={r['peak_gpu_gb']:.1f}GB reserved={r['peak_gpu_reserved_gb']:.1f}GB"
                   f" host={r['host_gb']:.1f}GB", flush=True)
     compare(runs)
-    print(f"\nmachine: {machine}\n{'run':>30} {'acc':>4} {'step s':>8} {'tokens/s':>10} {'fwd s':>7} {'bwd s':>7}"
-          f" {'exposed opt s':>14} {'peak GPU GB':>12} {'host GB':>8} {'vs gpu_only':>12} {'vs DeepSpeed':>13}")
+    print(f"\nmachine: {describe(machine())}\n{'run':>30} {'acc':>4} {'step s':>8} {'tokens/s':>10} {'fwd s':>7}"
+          f" {'bwd s':>7} {'exposed opt s':>14} {'peak GPU GB':>12} {'host GB':>8} {'vs gpu_only':>12}"
+          f" {'vs DeepSpeed':>13}")
 
     def times(ratio: float | None) -> str:
         return f"{ratio:.2f}x" if ratio is not None else "-"
@@ -253,9 +247,9 @@ def main() -> None:
     print("* inexact (not AdamW on every parameter every step in fp32 state: bf16 moments, update_lag); vs DeepSpeed:"
           " against the fastest exact DeepSpeed run at the same accumulation: "
           + (", ".join(f"acc {a}: {r['name']}" for a, r in references.items() if r) or "none ran"))
-    out.write_text(json.dumps(record, indent=1))
+    write_result(record, "bench", out)
     print(f"wrote {out}")
-    plot(record, out)
+    plot(json.loads(out.read_text()), out)
 
 
 if __name__ == "__main__":

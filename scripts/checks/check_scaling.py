@@ -1,6 +1,6 @@
 """zoff on N devices against zoff on 1 device with the same global batch: losses, per-rank memory, thread layout.
 
-    python scripts/check_scaling.py --devices 2 --steps 20 --out scaling_check.json
+    python scripts/checks/check_scaling.py --devices 2 --steps 20 --out scaling_check.json
 
 Each side runs in its own subprocess (its own process group): N ranks with a batch of B/N each, then one rank with
 a batch of B. A rank's loss is the mean over its own samples, so the mean of the N ranks' losses is comparable
@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))  # scripts/lib: the scripts' library
 
 from harness import call
 

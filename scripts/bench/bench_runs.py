@@ -1,5 +1,6 @@
-"""The runs scripts/bench.py measures: how each one is built (`build_run`) and measured (`run_one`, in a process of its
-own through harness.run_function). The same model and AdamW hyperparameters everywhere."""
+"""The runs scripts/bench/bench.py measures: how each one is built (`RUN_SPECS`, a table of `RunSpec` by name) and
+measured (`run_one`, in a process of its own through harness.run_function). The same model and AdamW hyperparameters
+everywhere."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import psutil
 
-from bench_deepspeed import DEEPSPEED_RUNS, ZERO_STAGE
+from bench_deepspeed import DEEPSPEED_RUNS, ZERO_STAGE, build_strategy, optimizer_factory
 from harness import BenchRun, StepMeasurement, parse_options
 from model_shapes import model_shape
 
@@ -34,9 +37,8 @@ ZOFF_VARIANTS: dict[str, dict[str, Any]] = {
     # the 7B-on-128-GB configuration, all on the host
     "zoff_sync_bf16_moments": dict(overlap=False, optimizer_state_dtype="bf16", accelerator_state="none"),
 }
-# "zoff" trained in a plain Fabric loop (scripts/bench_fabric.py) instead of the Trainer
+# "zoff" trained in a plain Fabric loop (bench_fabric.py) instead of the Trainer
 FABRIC_RUN = "zoff_fabric"
-RUNS = ("gpu_only", *DEEPSPEED_RUNS, "fsdp2_cpu_offload", *ZOFF_VARIANTS, "zoff_no_offload", FABRIC_RUN)
 DEFAULT_RUNS = ("gpu_only", "zoff", *DEEPSPEED_RUNS, "fsdp2_cpu_offload")
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -111,65 +113,132 @@ def fabric_parts(model_name: str, zoff_options: dict, layers: int | None,
     return family, kwargs, zoff_run_options(FABRIC_RUN, zoff_options, model_name, layers, checkpointing)
 
 
-def build_run(name: str, model_name: str, zoff_options: dict, accumulate: int = 1, ratio: float | None = None,
-              layers: int | None = None, checkpointing: bool = False):
-    """(module factory taking the Trainer, strategy, precision) of one run: the same model and AdamW
-    hyperparameters (lr 1e-4, betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on matrices) everywhere. With
-    `checkpointing`, zoff recomputes each block's activations in backward (its activation_checkpointing_policy); the
-    other runs are built as they are (their limit at this size is host memory, which activations do not touch)."""
+@dataclass(frozen=True)
+class RunSetting:
+    """What one run of bench.py is asked for: its name, the model and the options its build reads."""
+
+    name: str
+    model_name: str
+    zoff_options: dict[str, Any]
+    accumulate: int = 1
+    ratio: float | None = None  # deepspeed_zero3_offload_ratio's offload_optimizer.ratio
+    layers: int | None = None
+    checkpointing: bool = False
+
+    def family(self) -> tuple[type, dict[str, Any]]:
+        return family_of(self.model_name, self.layers)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """How a kind of run is built: the Trainer's strategy, its precision, and the module (given the Trainer, whose
+    `init_module` a run may build under)."""
+
+    strategy: Callable[[RunSetting], Any]
+    module: Callable[[RunSetting, Any], Any]
+    precision: str = "bf16-mixed"
+
+
+class BuiltUnderZeroInit:
+    """Mixed into a run's LightningModule class: the model built again in `configure_model`, under DeepSpeed's
+    zero.Init, so that each parameter is partitioned as it is created."""
+
+    def configure_model(self) -> None:
+        if any(p.is_meta for p in self.model.parameters()):
+            self.model = type(self.model)(self.model.config)
+
+
+class ShardedByFSDP2WithCPUOffload:
+    """Mixed into a run's LightningModule class: FSDP2 over each block and the root, with its own CPUOffloadPolicy."""
+
+    def configure_model(self) -> None:
+        import torch
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        from lightning_zoff.units import repeated_blocks
+
+        policy = dict(mesh=self.device_mesh["data_parallel"], offload_policy=CPUOffloadPolicy(),
+                      mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        for block in repeated_blocks(self.model):
+            fully_shard(block, **policy)
+        fully_shard(self.model, **policy)
+
+
+def with_mixin(mixin: type, family: type) -> type:
+    """`family` with `mixin`'s methods first."""
+    return type(f"{mixin.__name__}{family.__name__}", (mixin, family), {})
+
+
+def plain_module(run: RunSetting, trainer: Any) -> Any:
+    # gpu_only uses torch's default (foreach) AdamW on the GPU: Lightning refuses clipping with the fused one
+    family, kwargs = run.family()
+    return family(**kwargs, **ADAMW)
+
+
+def deepspeed_strategy(run: RunSetting) -> Any:
+    return build_strategy(run.name, ADAMW, run.accumulate, run.ratio)
+
+
+def deepspeed_module(run: RunSetting, trainer: Any) -> Any:
     import torch
+
+    family, kwargs = run.family()
+    optimizer = optimizer_factory(run.name, ADAMW)
+    if ZERO_STAGE[run.name] == 2:  # ZeRO-2 keeps the whole 16-bit model on every GPU: built as usual
+        return family(**kwargs, optimizer=optimizer)
+    with torch.device("meta"):  # shapes only: configure_model builds the model for real
+        return with_mixin(BuiltUnderZeroInit, family)(**kwargs, optimizer=optimizer)
+
+
+def fsdp2_strategy(run: RunSetting) -> Any:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    Family, kwargs = family_of(model_name, layers)
+    return ModelParallelStrategy()
 
-    class DeepSpeedZeRO3(Family):
-        def configure_model(self):
-            # built again here, under DeepSpeed's zero.Init: each parameter is partitioned as it is created
-            if any(p.is_meta for p in self.model.parameters()):
-                self.model = type(self.model)(self.model.config)
 
-    class FSDP2Offload(Family):
-        def configure_model(self):
-            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+def fsdp2_module(run: RunSetting, trainer: Any) -> Any:
+    import torch
 
-            from lightning_zoff.units import repeated_blocks
+    family, kwargs = run.family()
+    optimizer = functools.partial(torch.optim.AdamW, **ADAMW, fused=True)
+    return with_mixin(ShardedByFSDP2WithCPUOffload, family)(**kwargs, optimizer=optimizer)
 
-            mesh = self.device_mesh["data_parallel"]
-            policy = dict(mesh=mesh, offload_policy=CPUOffloadPolicy(),
-                          mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
-            for block in repeated_blocks(self.model):
-                fully_shard(block, **policy)
-            fully_shard(self.model, **policy)
 
-    if name in DEEPSPEED_RUNS:
-        import bench_deepspeed
+def zoff_strategy(run: RunSetting) -> Any:
+    from lightning_zoff import ZoffStrategy
 
-        strategy = bench_deepspeed.build_strategy(name, ADAMW, accumulate, ratio)
-        optimizer = bench_deepspeed.optimizer_factory(name, ADAMW)
-        if ZERO_STAGE[name] == 2:  # ZeRO-2 keeps the whole 16-bit model on every GPU: built as usual
-            return lambda trainer: Family(**kwargs, optimizer=optimizer), strategy, "bf16-mixed"
+    return ZoffStrategy(**zoff_run_options(run.name, run.zoff_options, run.model_name, run.layers, run.checkpointing))
 
-        def build_for_deepspeed(trainer):
-            with torch.device("meta"):  # shapes only: configure_model builds the model for real
-                return DeepSpeedZeRO3(**kwargs, optimizer=optimizer)
 
-        return build_for_deepspeed, strategy, "bf16-mixed"
-    if name == "fsdp2_cpu_offload":
-        # FSDP2 casts to bf16 itself (MixedPrecisionPolicy); "32-true" keeps Lightning's plugin out of the way
-        optimizer = functools.partial(torch.optim.AdamW, **ADAMW, fused=True)
-        return lambda trainer: FSDP2Offload(**kwargs, optimizer=optimizer), ModelParallelStrategy(), "32-true"
-    if is_zoff(name):
-        from lightning_zoff import ZoffStrategy
+def zoff_module(run: RunSetting, trainer: Any) -> Any:
+    family, kwargs = run.family()
+    with trainer.init_module(empty_init=True):  # each rank initialises only its own units
+        return family(**kwargs, **ADAMW)
 
-        strategy = ZoffStrategy(**zoff_run_options(name, zoff_options, model_name, layers, checkpointing))
 
-        def build_on_meta(trainer):
-            with trainer.init_module(empty_init=True):  # each rank initialises only its own units
-                return Family(**kwargs, **ADAMW)
+# Every run bench.py builds with the Trainer (FABRIC_RUN has its own loop: bench_fabric.py). The same model and AdamW
+# hyperparameters (lr 1e-4, betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on matrices) everywhere. DeepSpeed's ZeRO-3
+# runs build the model under zero.Init, its ZeRO-2 runs as usual; FSDP2 casts to bf16 itself (MixedPrecisionPolicy),
+# so "32-true" keeps Lightning's plugin out of its way; zoff builds on the meta device, each rank its own units.
+RUN_SPECS: dict[str, RunSpec] = {
+    "gpu_only": RunSpec(strategy=lambda run: "auto", module=plain_module),
+    **{name: RunSpec(strategy=deepspeed_strategy, module=deepspeed_module) for name in DEEPSPEED_RUNS},
+    "fsdp2_cpu_offload": RunSpec(strategy=fsdp2_strategy, module=fsdp2_module, precision="32-true"),
+    **{name: RunSpec(strategy=zoff_strategy, module=zoff_module) for name in (*ZOFF_VARIANTS, "zoff_no_offload")},
+}
 
-        return build_on_meta, strategy, "bf16-mixed"
-    # gpu_only uses torch's default (foreach) AdamW on the GPU: Lightning refuses clipping with the fused one
-    return lambda trainer: Family(**kwargs, **ADAMW), "auto", "bf16-mixed"
+
+def build_run(name: str, model_name: str, zoff_options: dict, accumulate: int = 1, ratio: float | None = None,
+              layers: int | None = None, checkpointing: bool = False) -> tuple[Callable[[Any], Any], Any, str]:
+    """(module factory taking the Trainer, strategy, precision) of run `name` (`RUN_SPECS`). With `checkpointing`,
+    zoff recomputes each block's activations in backward (its activation_checkpointing_policy); the other runs are
+    built as they are (their limit at this size is host memory, which activations do not touch)."""
+    run = RunSetting(name, model_name, zoff_options, accumulate, ratio, layers, checkpointing)
+    spec = RUN_SPECS[name]
+    return functools.partial(spec.module, run), spec.strategy(run), spec.precision
+
+
+RUNS = (*RUN_SPECS, FABRIC_RUN)
 
 
 def cap_gpu_memory(gpu_memory_gb: float | None) -> None:

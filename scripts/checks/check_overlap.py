@@ -1,6 +1,6 @@
 """The overlapped engine against the synchronous one on this machine's accelerator: same bits, or it fails.
 
-    python scripts/check_overlap.py --steps 20 --out overlap_check.json
+    python scripts/checks/check_overlap.py --steps 20 --out overlap_check.json
 
 Trains the example GPT (bf16-mixed, clipping at a norm that some steps exceed, one step poisoned with inf so it is
 skipped) with `ZoffStrategy(overlap=False)`, then `overlap=True` with the worker's natural timing and with every
@@ -15,6 +15,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))  # scripts/lib: the scripts' library
 
 from harness import call
 
@@ -75,11 +77,38 @@ def run_mode(mode: str, steps: int, clip: float, accumulate: int) -> dict:
             "device": str(trainer.strategy.root_device)}
 
 
+def first_difference(a: list, b: list) -> int | None:
+    """The first index where `a` and `b` differ (a shorter list differs where it ends); None where they are equal."""
+    for i in range(max(len(a), len(b))):
+        if i >= len(a) or i >= len(b) or repr(a[i]) != repr(b[i]):
+            return i
+    return None
+
+
+def differences(sync: dict, other: dict) -> dict:
+    """Where `other` leaves the synchronous run's bits, so a failure says where to look: the first batch whose loss
+    differs, the first step whose outcome differs, and the masters' largest difference. Empty: the same bits."""
+    import torch
+
+    found: dict = {}
+    loss_at = first_difference(sync["losses"], other["losses"])
+    if loss_at is not None:
+        found["first_loss_batch"] = loss_at
+    outcome_at = first_difference(sync["outcomes"], other["outcomes"])
+    if outcome_at is not None:
+        found["first_outcome_step"] = outcome_at
+        found["outcomes"] = {"sync": sync["outcomes"][outcome_at:outcome_at + 2],
+                             "this": other["outcomes"][outcome_at:outcome_at + 2]}
+    mine, theirs = other["masters"], sync["masters"]
+    if not torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8)):
+        found["masters_max_abs_diff"] = float((mine - theirs).abs().max())
+        found["masters_elements_differing"] = int((mine != theirs).sum())
+    return found
+
+
 def compare(steps: int, clip: float | None = None, accumulate: int = 1) -> dict:
     """The run's setting (steps skipped and clipped) and, per overlapped mode, whether it equals sync bit for bit.
     `clip=None`: the median gradient norm of an unclipped run, so that some steps are clipped and some are not."""
-    import torch
-
     def run(mode: str, clip: float) -> dict:
         return call(run_mode, mode=mode, steps=steps, clip=clip, accumulate=accumulate)[0]
 
@@ -94,9 +123,9 @@ def compare(steps: int, clip: float | None = None, accumulate: int = 1) -> dict:
                "clipped_steps": sum(clipped), "unclipped_steps": len(clipped) - sum(clipped)}
     for mode in OVERLAPPED:
         other = results[mode]
-        same = (other["losses"] == sync["losses"] and repr(other["outcomes"]) == repr(sync["outcomes"])
-                and torch.equal(other["masters"].view(torch.uint8), sync["masters"].view(torch.uint8)))
-        summary[mode] = {"bitwise_equal_to_sync": same, "speculations": other["speculations"]}
+        differs = differences(sync, other)
+        summary[mode] = {"bitwise_equal_to_sync": not differs, "differs": differs,
+                         "speculations": other["speculations"]}
     return summary
 
 

@@ -1,4 +1,4 @@
-"""DeepSpeed's configurations for scripts/bench.py: Lightning's `DeepSpeedStrategy` as users build it (ZeRO stage,
+"""DeepSpeed's configurations for scripts/bench/bench.py: Lightning's `DeepSpeedStrategy` as users build it (ZeRO stage,
 the optimizer offloaded to the CPU, pinned memory asked for explicitly) plus the keys that make each one stronger.
 DeepSpeed is imported only when a run is built: this module loads on machines without it.
 

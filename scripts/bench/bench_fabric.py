@@ -1,7 +1,7 @@
 """bench.py's run "zoff_fabric": the "zoff" run's model, data, AdamW, bf16-mixed, clipping at 1.0 and accumulation,
 trained in a plain Fabric loop under `Fabric(strategy=ZoffFabricStrategy(...))` instead of the Trainer, measured the
 same way (wall time per optimizer step with the GPU synchronized at its ends, zoff's own phase telemetry), so the two
-front doors compare in one call: `python scripts/bench.py --runs zoff zoff_fabric`."""
+front doors compare in one call: `python scripts/bench/bench.py --runs zoff zoff_fabric`."""
 
 from __future__ import annotations
 

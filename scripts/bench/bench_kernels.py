@@ -1,29 +1,31 @@
 """CPU optimizer step throughput against the machine's memory bandwidth, measured in the same run.
 
-    python scripts/bench_kernels.py                    # 200M parameters, all cores
-    python scripts/bench_kernels.py --params 500e6     # the GPU machine's figure
+    python scripts/bench/bench_kernels.py                    # 200M parameters, all cores
+    python scripts/bench/bench_kernels.py --params 500e6     # the GPU machine's figure
 
 Rows: (a) torch's fused CPU AdamW on fp32 gradients plus a separate bf16 cast of the parameters (the best
 pipeline with stock torch), (b) DeepSpeed's CPU Adam when installed, (c) ours, one pass with bf16 gradients in
 and the bf16 copy out, with fp32 moments and with bf16 ones (`optimizer_state_dtype="bf16"`: 20 B/param). The floor
 is 28 B/param (fp32 p, m, v read and written; bf16 grad in, bf16 copy out) at the best bandwidth our STREAM-style
-probe measures; "of floor" is against it for every row (bf16 moments can pass 100%). Prints a table and writes JSON.
+probe measures; "of floor" is against it for every row (bf16 moments can pass 100%). Prints a table and writes JSON
+(results.write_result: `--out`, or bench/results/<date>_<machine>_kernels.json).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
-import socket
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from lightning_zoff import ops
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))  # scripts/lib: the scripts' library
+
+from results import write_result
 
 FUSED_BYTES = 28  # p, m, v: 12 read + 12 written; bf16 grad 2 read; bf16 copy 2 written
 BF16_MOMENTS_BYTES = 20  # p 4, m and v 2 + 2: 8 read + 8 written; grad and copy as above
@@ -116,14 +118,9 @@ def main() -> None:
         print(f"{name:<48} {r['ns_per_param']:>9.3f} {r['effective_gb_s']:>7.1f} {r['speedup_vs_torch']:>6.2f}x"
               f" {r['fraction_of_floor']:>8.0%}")
     print(f"{'DRAM floor (28 B/param at ' + f'{best_bw:.0f} GB/s)':<48} {floor_s / n * 1e9:>9.3f}")
-    machine = (f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads,"
-               f" host {socket.gethostname()}")
-    out_path = args.out or Path("bench/results") / f"{datetime.date.today()}_{socket.gethostname()}_kernels.json"
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps({"machine": machine, "params": n, "threads": threads, "isa": isa,
-                                    "stream_gb_s": stream, "floor_ns_per_param": floor_s / n * 1e9,
-                                    "rows": results}, indent=1))
-    print(f"wrote {out_path}")
+    record = {"params": n, "threads": threads, "isa": isa, "stream_gb_s": stream,
+              "floor_ns_per_param": floor_s / n * 1e9, "rows": results}
+    print(f"wrote {write_result(record, 'kernels', args.out)}")
 
 
 if __name__ == "__main__":

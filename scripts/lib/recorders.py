@@ -1,6 +1,6 @@
 """The Lightning callbacks the scripts record training with (harness.py's part that needs Lightning and torch):
 `StepRecorder`, each batch's loss and wall time (the check scripts), and `WindowTimer`, each optimizer step's phases
-and GPU memory (scripts/bench.py)."""
+and GPU memory (scripts/bench/bench.py)."""
 
 from __future__ import annotations
 

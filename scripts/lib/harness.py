@@ -1,5 +1,5 @@
 """What the scripts share: child processes and their results, the resident memory of a process tree, how a failed run
-ended, and the schema of scripts/bench.py's results.
+ended, and the schema of scripts/bench/bench.py's results.
 
 - `run_command` runs a command and `run_function` a top-level function of a file (a script, a test module) in a fresh
   Python process; Lightning's launchers re-run that command line for the other ranks. Either samples the resident
@@ -10,15 +10,16 @@ ended, and the schema of scripts/bench.py's results.
 - `RssSampler`: the peak resident memory of a process, or of it and all its descendants, sampled by a thread.
 - `failure_line` and `outcome_of`: a failed run's cause in one line, and in one word.
 - `parse_options`: ZoffStrategy options from `key=value` strings (the models by name: model_shapes.py).
-- `BenchRun`, `StepMeasurement`, `RunFailure`: what each entry of scripts/bench.py's JSON holds.
+- `BenchRun`, `StepMeasurement`, `RunFailure`: what each entry of scripts/bench/bench.py's JSON holds.
 
 No torch here (psutil and the standard library): a parent that measures its children's memory stays small, and Linux
 carries a process's peak RSS into the children it forks. The Lightning callbacks that record steps are in
-recorders.py. The scripts import these modules as their neighbours (`from harness import call`): Python puts a
-script's own directory first on sys.path; the tests get scripts/ from pytest's `pythonpath`. lightning_zoff comes
-from the environment: the checkout installed (`pip install -e .`), or on PYTHONPATH as scripts/gpu_checks.sh sets it.
+recorders.py, the file every benchmark writes in results.py. This directory, scripts/lib/, is the scripts' library: a
+script of scripts/bench/ or scripts/checks/ puts it on sys.path in its first lines and imports its modules by name
+(`from harness import call`); the tests get it from pytest's `pythonpath`. lightning_zoff comes from the environment:
+the checkout installed (`pip install -e .`), or on PYTHONPATH as scripts/device/gpu_checks.sh sets it.
 
-    python scripts/harness.py FILE FUNCTION KWARGS_JSON    # the child of run_function: FUNCTION(**KWARGS) of FILE
+    python scripts/lib/harness.py FILE FUNCTION KWARGS_JSON    # the child of run_function: FUNCTION(**KWARGS) of FILE
 """
 
 from __future__ import annotations
@@ -295,8 +296,10 @@ def report(result: Any, rank: int | None = None) -> None:
 
 
 def _serve(file: str, function: str, kwargs: str) -> None:
-    """The child of run_function: imports `file` under its own name (so what it pickles unpickles in the parent) and
-    reports what `function` returns."""
+    """The child of run_function: imports `file` under its own name (so what it pickles unpickles in the parent), with
+    its directory first on sys.path as when Python runs it (its neighbours import), and reports what `function`
+    returns."""
+    sys.path.insert(0, str(Path(file).resolve().parent))
     spec = importlib.util.spec_from_file_location(Path(file).stem, file)
     if spec is None or spec.loader is None:
         raise ImportError(f"{file} is no Python file")
@@ -308,7 +311,7 @@ def _serve(file: str, function: str, kwargs: str) -> None:
         report(result)
 
 
-# -- scripts/bench.py's results ------------------------------------------------------------------------------------
+# -- scripts/bench/bench.py's results ------------------------------------------------------------------------------
 
 
 def _fields(record: Any, optional: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -319,7 +322,7 @@ def _fields(record: Any, optional: tuple[str, ...] = ()) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class BenchRun:
-    """One run of scripts/bench.py: the keys every entry of its JSON starts with, whether it trained or not."""
+    """One run of scripts/bench/bench.py: the keys every entry of its JSON starts with, whether it trained or not."""
 
     name: str
     model: str

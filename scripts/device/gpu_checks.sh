@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device-machine checks, by stage, so one 10-minute call can take several:
-#   OUT=dir bash scripts/gpu_checks.sh env suite reference kernels train bench
+#   OUT=dir bash scripts/device/gpu_checks.sh env suite reference kernels train bench
 # `acceptance` is tests/gpu: the reference, overlap, scaling (2+ GPUs) and capacity checks with their thresholds.
 # Stages are named by what they measure. Carry .whl (../shared/tools/device_wheels.sh --with-deepspeed) for the stages
 # that need Hydra or DeepSpeed, and another source tree as _baseline for `baseline_gpt1b`.
@@ -23,35 +23,35 @@ for stage in "$@"; do
     acceptance) timeout ${ACCEPTANCE_TIMEOUT:-580} python3 -m pytest -q tests/gpu 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/acceptance.txt" ;;
     suite) timeout 200 python3 -m pytest -q -x tests/test_kernels.py tests/test_optim.py tests/test_training.py 2>&1 | tail -6 | tee "$OUT/pytest.txt" ;;
     kquick) timeout 120 python3 -m pytest -q -x tests/test_kernels.py -k "bf16_moments or agree or into" 2>&1 | tail -3 | tee "$OUT/kernels_quick.txt" ;;
-    reference) timeout 150 python3 scripts/check_reference.py --steps 30 --out "$OUT/reference_check.json" 2>&1 | grep -v "^INFO\|Tip\|available:" | tail -40 | tee "$OUT/reference_check.txt" ;;
-    kernels) timeout 240 python3 scripts/bench_kernels.py --params 500e6 --out "$OUT/kernels.json" 2>&1 | grep -v "^INFO" | tail -25 | tee "$OUT/kernels.txt" ;;
+    reference) timeout 150 python3 scripts/checks/check_reference.py --steps 30 --out "$OUT/reference_check.json" 2>&1 | grep -v "^INFO\|Tip\|available:" | tail -40 | tee "$OUT/reference_check.txt" ;;
+    kernels) timeout 240 python3 scripts/bench/bench_kernels.py --params 500e6 --out "$OUT/kernels.json" 2>&1 | grep -v "^INFO" | tail -25 | tee "$OUT/kernels.txt" ;;
     train) timeout 150 python3 scripts/train.py trainer.max_steps=60 hydra.run.dir=/tmp/train_run 2>&1 | grep -v "^INFO" | tail -25 | tee "$OUT/train.txt"; cp /tmp/train_run/loss.png "$OUT/" 2>/dev/null ;;
-    overlap) timeout 200 python3 scripts/check_overlap.py --steps 12 --out "$OUT/overlap_check.json" 2>&1 | grep -v "^INFO\|Tip\|available:" | tail -30 | tee "$OUT/overlap_check.txt" ;;
-    bench) timeout 330 python3 scripts/bench.py --runs gpu_only zoff --accumulate 1 4 --steps 6 --warmup 2 --out "$OUT/bench.json" 2>&1 | tail -12 | tee "$OUT/bench.txt" ;;
-    bench_acc1) timeout ${BENCH_TIMEOUT:-380} python3 scripts/bench.py --runs gpu_only zoff deepspeed_zero3_offload --accumulate 1 --steps 6 --warmup 2 --out "$OUT/bench_acc1.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/bench_acc1.txt" ;;
-    bench_acc4) timeout ${BENCH_TIMEOUT:-540} python3 scripts/bench.py --runs gpu_only zoff zoff_accum_gpu zoff_accum_gpu_retained deepspeed_zero3_offload --accumulate 4 --steps 5 --warmup 2 --out "$OUT/bench_acc4.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/bench_acc4.txt" ;;
-    scaling) timeout 300 python3 scripts/check_scaling.py --devices 2 --steps 20 --out "$OUT/scaling_check.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/scaling_check.txt" ;;
-    bench_2gpu) timeout ${BENCH2_TIMEOUT:-540} python3 scripts/bench.py --devices 2 --runs gpu_only zoff deepspeed_zero3_offload --accumulate 1 4 --steps 5 --warmup 2 --out "$OUT/bench_2gpu.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/bench_2gpu.txt" ;;
-    bench_1of2) CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_TIMEOUT:-200} taskset -c 0-$(( $(nproc) / 2 - 1 )) python3 scripts/bench.py --runs zoff --accumulate 4 --steps 5 --warmup 2 --out "$OUT/bench_1of2.json" 2>&1 | grep -v "^INFO" | tail -20 | tee "$OUT/bench_1of2.txt" ;;
-    bench_4gpu) timeout ${BENCH4_TIMEOUT:-400} python3 scripts/bench.py --devices 4 --runs zoff deepspeed_zero3_offload --accumulate 1 --steps 5 --warmup 2 --out "$OUT/bench_4gpu_acc1.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/bench_4gpu_acc1.txt"
-                timeout ${BENCH4_TIMEOUT:-400} python3 scripts/bench.py --devices 4 --runs zoff --accumulate 4 --steps 5 --warmup 2 --out "$OUT/bench_4gpu_acc4.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/bench_4gpu_acc4.txt" ;;
-    bench_8gpu) timeout ${BENCH8_TIMEOUT:-400} python3 scripts/bench.py --devices 8 --runs zoff deepspeed_zero3_offload --accumulate 1 --steps 5 --warmup 2 --out "$OUT/bench_8gpu_acc1.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/bench_8gpu_acc1.txt"
-                timeout ${BENCH8_TIMEOUT:-400} python3 scripts/bench.py --devices 8 --runs zoff --accumulate 4 --steps 5 --warmup 2 --out "$OUT/bench_8gpu_acc4.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/bench_8gpu_acc4.txt" ;;
+    overlap) timeout 200 python3 scripts/checks/check_overlap.py --steps 12 --out "$OUT/overlap_check.json" 2>&1 | grep -v "^INFO\|Tip\|available:" | tail -30 | tee "$OUT/overlap_check.txt" ;;
+    bench) timeout 330 python3 scripts/bench/bench.py --runs gpu_only zoff --accumulate 1 4 --steps 6 --warmup 2 --out "$OUT/bench.json" 2>&1 | tail -12 | tee "$OUT/bench.txt" ;;
+    bench_acc1) timeout ${BENCH_TIMEOUT:-380} python3 scripts/bench/bench.py --runs gpu_only zoff deepspeed_zero3_offload --accumulate 1 --steps 6 --warmup 2 --out "$OUT/bench_acc1.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/bench_acc1.txt" ;;
+    bench_acc4) timeout ${BENCH_TIMEOUT:-540} python3 scripts/bench/bench.py --runs gpu_only zoff zoff_accum_gpu zoff_accum_gpu_retained deepspeed_zero3_offload --accumulate 4 --steps 5 --warmup 2 --out "$OUT/bench_acc4.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/bench_acc4.txt" ;;
+    scaling) timeout 300 python3 scripts/checks/check_scaling.py --devices 2 --steps 20 --out "$OUT/scaling_check.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/scaling_check.txt" ;;
+    bench_2gpu) timeout ${BENCH2_TIMEOUT:-540} python3 scripts/bench/bench.py --devices 2 --runs gpu_only zoff deepspeed_zero3_offload --accumulate 1 4 --steps 5 --warmup 2 --out "$OUT/bench_2gpu.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/bench_2gpu.txt" ;;
+    bench_1of2) CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_TIMEOUT:-200} taskset -c 0-$(( $(nproc) / 2 - 1 )) python3 scripts/bench/bench.py --runs zoff --accumulate 4 --steps 5 --warmup 2 --out "$OUT/bench_1of2.json" 2>&1 | grep -v "^INFO" | tail -20 | tee "$OUT/bench_1of2.txt" ;;
+    bench_4gpu) timeout ${BENCH4_TIMEOUT:-400} python3 scripts/bench/bench.py --devices 4 --runs zoff deepspeed_zero3_offload --accumulate 1 --steps 5 --warmup 2 --out "$OUT/bench_4gpu_acc1.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/bench_4gpu_acc1.txt"
+                timeout ${BENCH4_TIMEOUT:-400} python3 scripts/bench/bench.py --devices 4 --runs zoff --accumulate 4 --steps 5 --warmup 2 --out "$OUT/bench_4gpu_acc4.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/bench_4gpu_acc4.txt" ;;
+    bench_8gpu) timeout ${BENCH8_TIMEOUT:-400} python3 scripts/bench/bench.py --devices 8 --runs zoff deepspeed_zero3_offload --accumulate 1 --steps 5 --warmup 2 --out "$OUT/bench_8gpu_acc1.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/bench_8gpu_acc1.txt"
+                timeout ${BENCH8_TIMEOUT:-400} python3 scripts/bench/bench.py --devices 8 --runs zoff --accumulate 4 --steps 5 --warmup 2 --out "$OUT/bench_8gpu_acc4.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/bench_8gpu_acc4.txt" ;;
     capacity_8gpu)  # the largest GPT (gpt30b, 32.3B) on the 8-GPU machine's 560 GB host, with bf16 moments and no overlap
-      timeout ${CAPACITY_TIMEOUT:-560} python3 scripts/check_capacity.py --model gpt30b --devices 8 --steps 20 --batch 4 \
+      timeout ${CAPACITY_TIMEOUT:-560} python3 scripts/checks/check_capacity.py --model gpt30b --devices 8 --steps 20 --batch 4 \
           --option "optimizer_state_dtype='bf16'" --option overlap=False --out "$OUT/capacity_gpt30b.json" 2>&1 \
           | grep -v "^INFO" | tail -26 | tee "$OUT/capacity_gpt30b.txt" ;;
-    bench_2of4) CUDA_VISIBLE_DEVICES=0,1 timeout ${BENCH_TIMEOUT:-200} taskset -c 0-$(( $(nproc) / 2 - 1 )) python3 scripts/bench.py --devices 2 --runs zoff --accumulate 4 --steps 5 --warmup 2 --out "$OUT/bench_2of4.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/bench_2of4.txt" ;;
+    bench_2of4) CUDA_VISIBLE_DEVICES=0,1 timeout ${BENCH_TIMEOUT:-200} taskset -c 0-$(( $(nproc) / 2 - 1 )) python3 scripts/bench/bench.py --devices 2 --runs zoff --accumulate 4 --steps 5 --warmup 2 --out "$OUT/bench_2of4.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/bench_2of4.txt" ;;
     capacity)  # the 1x H200 box (128 GB host): Qwen3-4B's shape next to DeepSpeed, then the 7B GPT, then bf16 moments
-      q="python3 scripts/bench.py --model qwen3_4b --accumulate 1 --steps 4 --warmup 1"
+      q="python3 scripts/bench/bench.py --model qwen3_4b --accumulate 1 --steps 4 --warmup 1"
       timeout 150 $q --runs zoff_sync --out "$OUT/qwen3_4b_zoff_sync.json" 2>&1 | grep -v "^INFO" | tail -4 | tee "$OUT/qwen3_4b.txt"
       timeout 220 $q --runs deepspeed_zero3_offload --out "$OUT/qwen3_4b_deepspeed.json" 2>&1 | grep -v "^INFO" | tail -4 | tee -a "$OUT/qwen3_4b.txt"
-      timeout 200 python3 scripts/check_capacity.py --model gpt7b --steps 20 --batch 4 --option "optimizer_state_dtype='bf16'" \
+      timeout 200 python3 scripts/checks/check_capacity.py --model gpt7b --steps 20 --batch 4 --option "optimizer_state_dtype='bf16'" \
           --option overlap=False --out "$OUT/capacity_gpt7b.json" 2>&1 | grep -v "^INFO" | tail -26 | tee "$OUT/capacity_gpt7b.txt"
       left=$(( ${CAPACITY_BUDGET:-560} - SECONDS ))
       [ $left -gt 60 ] && timeout $left $q --runs zoff_bf16_moments --out "$OUT/qwen3_4b_zoff_bf16_moments.json" 2>&1 | grep -v "^INFO" | tail -4 | tee -a "$OUT/qwen3_4b.txt"
       left=$(( ${CAPACITY_BUDGET:-560} - SECONDS ))
-      [ $left -gt 60 ] && timeout $left python3 scripts/bench.py --runs zoff_bf16_moments zoff --accumulate 1 --steps 5 --warmup 2 --out "$OUT/gpt1b_zoff_bf16_moments.json" 2>&1 | grep -v "^INFO" | tail -4 | tee "$OUT/gpt1b_bf16_moments.txt" ;;
+      [ $left -gt 60 ] && timeout $left python3 scripts/bench/bench.py --runs zoff_bf16_moments zoff --accumulate 1 --steps 5 --warmup 2 --out "$OUT/gpt1b_zoff_bf16_moments.json" 2>&1 | grep -v "^INFO" | tail -4 | tee "$OUT/gpt1b_bf16_moments.txt" ;;
     fsdp2_internals)  # the CPU (gloo) tests that lean on FSDP2 internals, under the GPU machine's torch
       timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_unused_params.py tests/test_overlap.py tests/test_compat.py 2>&1 | tail -4 | tee "$OUT/fsdp2_internals.txt" ;;
     baseline_gpt1b)  # the 1.34B GPT's zoff and zoff_host_only in another tree, then in this one, on the same machine
@@ -59,66 +59,67 @@ for stage in "$@"; do
       [ -d _baseline/lightning_zoff ] || { echo "baseline_gpt1b: carry another source tree as _baseline"; exit 1; }
       for side in _baseline .; do
         label=$( [ $side = . ] && echo this || echo baseline )
-        (cd $side && PYTHONPATH=$DEPS$PWD timeout 280 python3 scripts/bench.py --runs zoff zoff_host_only --accumulate 1 --steps 6 \
+        bench=scripts/bench/bench.py; [ -f $side/$bench ] || bench=scripts/bench.py  # a tree from before scripts/bench/
+        (cd $side && PYTHONPATH=$DEPS$PWD timeout 280 python3 $bench --runs zoff zoff_host_only --accumulate 1 --steps 6 \
             --warmup 2 --out "$OUT/bench_gpt1b_$label.json" 2>&1 | grep -v "^INFO" | tail -5 | tee -a "$OUT/baseline_gpt1b.txt")
       done ;;
-    placement) timeout 300 python3 scripts/check_placement.py --steps 12 --out "$OUT/placement_check.json" 2>&1 | grep -v "^INFO\|Tip\|available:" | tail -30 | tee "$OUT/placement_check.txt" ;;
+    placement) timeout 300 python3 scripts/checks/check_placement.py --steps 12 --out "$OUT/placement_check.json" 2>&1 | grep -v "^INFO\|Tip\|available:" | tail -30 | tee "$OUT/placement_check.txt" ;;
     gpt1b_vs_deepspeed)  # gpt1b batch 8 at accumulate 1 and 4 against DeepSpeed's stronger configurations
-      timeout ${BENCH_TIMEOUT:-560} python3 scripts/bench.py --model gpt1b --batch 8 --accumulate 1 4 --steps 6 --warmup 2 --runs gpu_only zoff deepspeed_zero2_offload deepspeed_zero3_offload_ratio --out "$OUT/gpt1b_vs_deepspeed.json" 2>&1 | grep -v "^INFO" | tail -16 | tee "$OUT/gpt1b_vs_deepspeed.txt" ;;
+      timeout ${BENCH_TIMEOUT:-560} python3 scripts/bench/bench.py --model gpt1b --batch 8 --accumulate 1 4 --steps 6 --warmup 2 --runs gpu_only zoff deepspeed_zero2_offload deepspeed_zero3_offload_ratio --out "$OUT/gpt1b_vs_deepspeed.json" 2>&1 | grep -v "^INFO" | tail -16 | tee "$OUT/gpt1b_vs_deepspeed.txt" ;;
     host_overlap)  # the overlapped engine against the synchronous one, all state on the host: gpt7b fp32 moments, qwen3_4b (clipped every step), gpt1b acc 4 next to GPU-only
-      timeout 300 python3 scripts/bench.py --model gpt7b --batch 4 --accumulate 1 --steps 5 --warmup 2 --runs zoff_host_only zoff_sync --out "$OUT/host_overlap_gpt7b.json" 2>&1 | grep -v "^INFO" | tail -6 | tee "$OUT/host_overlap.txt"
-      timeout 150 python3 scripts/bench.py --model qwen3_4b --accumulate 1 --steps 5 --warmup 2 --runs zoff_host_only zoff_sync --out "$OUT/host_overlap_qwen3_4b.json" 2>&1 | grep -v "^INFO" | tail -6 | tee -a "$OUT/host_overlap.txt"
-      timeout 150 python3 scripts/bench.py --model gpt1b --accumulate 4 --steps 5 --warmup 2 --runs gpu_only zoff_host_only --out "$OUT/host_overlap_gpt1b_acc4.json" 2>&1 | grep -v "^INFO" | tail -6 | tee -a "$OUT/host_overlap.txt" ;;
+      timeout 300 python3 scripts/bench/bench.py --model gpt7b --batch 4 --accumulate 1 --steps 5 --warmup 2 --runs zoff_host_only zoff_sync --out "$OUT/host_overlap_gpt7b.json" 2>&1 | grep -v "^INFO" | tail -6 | tee "$OUT/host_overlap.txt"
+      timeout 150 python3 scripts/bench/bench.py --model qwen3_4b --accumulate 1 --steps 5 --warmup 2 --runs zoff_host_only zoff_sync --out "$OUT/host_overlap_qwen3_4b.json" 2>&1 | grep -v "^INFO" | tail -6 | tee -a "$OUT/host_overlap.txt"
+      timeout 150 python3 scripts/bench/bench.py --model gpt1b --accumulate 4 --steps 5 --warmup 2 --runs gpu_only zoff_host_only --out "$OUT/host_overlap_gpt1b_acc4.json" 2>&1 | grep -v "^INFO" | tail -6 | tee -a "$OUT/host_overlap.txt" ;;
     finetune7b)  # a fine-tune of the 7B shape's last 2 blocks: host state for those only
-      timeout 240 python3 scripts/check_capacity.py --model gpt7b --train-last 2 --steps 8 --batch 4 \
+      timeout 240 python3 scripts/checks/check_capacity.py --model gpt7b --train-last 2 --steps 8 --batch 4 \
           --out "$OUT/finetune_gpt7b_last2.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/finetune_gpt7b.txt" ;;
     mainjob_qwen)  # the main job on Qwen3-4B's shape completes; peak host RSS of the whole job
-      timeout 330 python3 scripts/peak_rss.py --out "$OUT/mainjob_qwen3_4b_rss.json" -- python3 scripts/train.py \
+      timeout 330 python3 scripts/lib/peak_rss.py --out "$OUT/mainjob_qwen3_4b_rss.json" -- python3 scripts/train.py \
           model=hf_qwen3_4b data=synthetic trainer.max_steps=6 hydra.run.dir=$PWD/outputs/run_qwen 2>&1 | grep -v "^INFO" | tail -30 | tee "$OUT/mainjob_qwen3_4b.txt"
       cp outputs/run_qwen/loss.png "$OUT/mainjob_qwen3_4b_loss.png" 2>/dev/null; ls -a outputs/run_qwen outputs/run_qwen/checkpoints; du -sh outputs/run_qwen | tee -a "$OUT/mainjob_qwen3_4b.txt"; rm -rf outputs/run_qwen ;;
     mainjob_7b)  # the 7B GPT with the options of its config's comment (12 B/param on the 128 GB host)
-      timeout 400 python3 scripts/peak_rss.py --out "$OUT/mainjob_gpt_7b_rss.json" -- python3 scripts/train.py \
+      timeout 400 python3 scripts/lib/peak_rss.py --out "$OUT/mainjob_gpt_7b_rss.json" -- python3 scripts/train.py \
           model=gpt_7b data=synthetic trainer.max_steps=6 hydra.run.dir=$PWD/outputs/run_7b 2>&1 | grep -v "^INFO" | tail -30 | tee "$OUT/mainjob_gpt_7b.txt"
       cp outputs/run_7b/loss.png "$OUT/mainjob_gpt_7b_loss.png" 2>/dev/null; ls -a outputs/run_7b outputs/run_7b/checkpoints; du -sh outputs/run_7b | tee -a "$OUT/mainjob_gpt_7b.txt"; rm -rf outputs/run_7b ;;
     smoke_offload)  # quick: the host path with checkpointed activations, and "auto" moving the 1.34B GPT's state to the GPU
-      timeout 200 python3 scripts/bench.py --model gpt1b --batch 8 --accumulate 1 --steps 3 --warmup 2 --runs zoff_host_only --activation-checkpointing --out "$OUT/smoke_host.json" 2>&1 | grep -v "^INFO" | tail -4 | tee "$OUT/smoke.txt"
-      timeout 200 python3 scripts/bench.py --model gpt1b --batch 8 --accumulate 1 --steps 3 --warmup 2 --runs zoff --out "$OUT/smoke_auto.json" 2>&1 | grep -v "^INFO" | tail -4 | tee -a "$OUT/smoke.txt"
+      timeout 200 python3 scripts/bench/bench.py --model gpt1b --batch 8 --accumulate 1 --steps 3 --warmup 2 --runs zoff_host_only --activation-checkpointing --out "$OUT/smoke_host.json" 2>&1 | grep -v "^INFO" | tail -4 | tee "$OUT/smoke.txt"
+      timeout 200 python3 scripts/bench/bench.py --model gpt1b --batch 8 --accumulate 1 --steps 3 --warmup 2 --runs zoff --out "$OUT/smoke_auto.json" 2>&1 | grep -v "^INFO" | tail -4 | tee -a "$OUT/smoke.txt"
       grep -q "failed" "$OUT/smoke.txt" && { echo "smoke failed: stopping"; exit 1; } ;;
     gpt13b_zoff)  # the 13B GPT at batch 4 with default options
-      timeout ${BENCH_TIMEOUT:-400} python3 scripts/bench.py --model gpt13b --batch 4 --accumulate 1 --steps 20 --warmup 2 --runs zoff --out "$OUT/gpt13b_zoff.json" 2>&1 | grep -v "^INFO" | tail -6 | tee "$OUT/gpt13b_zoff.txt" ;;
+      timeout ${BENCH_TIMEOUT:-400} python3 scripts/bench/bench.py --model gpt13b --batch 4 --accumulate 1 --steps 20 --warmup 2 --runs zoff --out "$OUT/gpt13b_zoff.json" 2>&1 | grep -v "^INFO" | tail -6 | tee "$OUT/gpt13b_zoff.txt" ;;
     gpt13b_speed)  # the 13B GPT at batch 4, default options: 20 steps at accumulate 1, 10 at accumulate 4
-      b="python3 scripts/bench.py --model gpt13b --batch 4 --warmup 2 --runs zoff --run-timeout-s 280"
+      b="python3 scripts/bench/bench.py --model gpt13b --batch 4 --warmup 2 --runs zoff --run-timeout-s 280"
       timeout 300 $b --accumulate 1 --steps 20 --out "$OUT/gpt13b_b4_zoff.json" 2>&1 | grep -v "^INFO" | tail -3 | tee "$OUT/gpt13b_speed.txt"
       timeout 300 $b --accumulate 4 --steps 10 --out "$OUT/gpt13b_b4_zoff_acc4.json" 2>&1 | grep -v "^INFO" | tail -3 | tee -a "$OUT/gpt13b_speed.txt" ;;
     speed_first)  # one call's worth of the speed runs, most wanted first: 13B default (20 steps), 13B acc 4, 64 layers bf16
-      b="python3 scripts/bench.py --model gpt13b --batch 4 --warmup 2 --runs zoff"
+      b="python3 scripts/bench/bench.py --model gpt13b --batch 4 --warmup 2 --runs zoff"
       timeout 210 $b --accumulate 1 --steps 20 --run-timeout-s 200 --out "$OUT/gpt13b_b4_zoff.json" 2>&1 | grep -v "^INFO" | tail -2 | tee "$OUT/speed_first.txt"
       timeout 190 $b --accumulate 4 --steps 10 --run-timeout-s 180 --out "$OUT/gpt13b_b4_zoff_acc4.json" 2>&1 | grep -v "^INFO" | tail -2 | tee -a "$OUT/speed_first.txt"
       left=$(( ${SPEED_BUDGET:-580} - SECONDS ))
       [ $left -gt 120 ] && timeout $left $b --accumulate 1 --steps 10 --layers 64 --run-timeout-s $((left - 5)) --zoff-option "optimizer_state_dtype='bf16'" --out "$OUT/gpt_64l_b4_zoff_bf16_moments.json" 2>&1 | grep -v "^INFO" | tail -2 | tee -a "$OUT/speed_first.txt" ;;
     gpt13b_variants)  # the 13B GPT with bf16 moments, and without clipping (speculation can be kept)
-      b="python3 scripts/bench.py --model gpt13b --batch 4 --accumulate 1 --warmup 2 --steps 10 --runs zoff --run-timeout-s 250"
+      b="python3 scripts/bench/bench.py --model gpt13b --batch 4 --accumulate 1 --warmup 2 --steps 10 --runs zoff --run-timeout-s 250"
       timeout 270 $b --zoff-option "optimizer_state_dtype='bf16'" --out "$OUT/gpt13b_b4_zoff_bf16_moments.json" 2>&1 | grep -v "^INFO" | tail -3 | tee "$OUT/gpt13b_variants.txt"
       timeout 270 $b --clip none --out "$OUT/gpt13b_b4_zoff_unclipped.json" 2>&1 | grep -v "^INFO" | tail -3 | tee -a "$OUT/gpt13b_variants.txt" ;;
     largest_speed)  # the largest sizes of 2026-12-02 at 10 measured steps: 47 layers fp32 moments, 64 layers bf16
-      b="python3 scripts/bench.py --model gpt13b --batch 4 --accumulate 1 --warmup 2 --steps 10 --runs zoff --run-timeout-s 280"
+      b="python3 scripts/bench/bench.py --model gpt13b --batch 4 --accumulate 1 --warmup 2 --steps 10 --runs zoff --run-timeout-s 280"
       timeout 290 $b --layers 64 --zoff-option "optimizer_state_dtype='bf16'" --out "$OUT/gpt_64l_b4_zoff_bf16_moments.json" 2>&1 | grep -v "^INFO" | tail -3 | tee "$OUT/largest_speed.txt"
       timeout 290 $b --layers 47 --out "$OUT/gpt_47l_b4_zoff.json" 2>&1 | grep -v "^INFO" | tail -3 | tee -a "$OUT/largest_speed.txt" ;;
     gpt13b_deepspeed)  # DeepSpeed's attempts at the 13B GPT, in the same bench's terms
-      timeout ${BENCH_TIMEOUT:-560} python3 scripts/bench.py --model gpt13b --batch 4 --accumulate 1 --steps 20 --warmup 2 --runs deepspeed_zero3_offload deepspeed_zero3_offload_ratio --ratios 0.5 --run-timeout-s 240 --out "$OUT/gpt13b_deepspeed.json" 2>&1 | grep -v "^INFO" | tail -6 | tee "$OUT/gpt13b_deepspeed.txt" ;;
+      timeout ${BENCH_TIMEOUT:-560} python3 scripts/bench/bench.py --model gpt13b --batch 4 --accumulate 1 --steps 20 --warmup 2 --runs deepspeed_zero3_offload deepspeed_zero3_offload_ratio --ratios 0.5 --run-timeout-s 240 --out "$OUT/gpt13b_deepspeed.json" 2>&1 | grep -v "^INFO" | tail -6 | tee "$OUT/gpt13b_deepspeed.txt" ;;
     gpt13b_options)  # a fraction of the state on the GPU, and bf16 moments: trains or refused before allocating
       for option in "accelerator_state=0.4" "optimizer_state_dtype='bf16'"; do
-        timeout 300 python3 scripts/bench.py --model gpt13b --batch 4 --accumulate 1 --steps 3 --warmup 1 --runs zoff --zoff-option "$option" --out "$OUT/gpt13b_$(echo $option | tr -dc 'a-z0-9.').json" 2>&1 | grep -v "^INFO" | tail -3 | tee -a "$OUT/gpt13b_options.txt"
+        timeout 300 python3 scripts/bench/bench.py --model gpt13b --batch 4 --accumulate 1 --steps 3 --warmup 1 --runs zoff --zoff-option "$option" --out "$OUT/gpt13b_$(echo $option | tr -dc 'a-z0-9.').json" 2>&1 | grep -v "^INFO" | tail -3 | tee -a "$OUT/gpt13b_options.txt"
       done ;;
     largest)  # the largest GPT of the gpt13b width that trains 5 steps: predicted by the plan, then tried
-      timeout ${LARGEST_TIMEOUT:-580} python3 scripts/find_largest.py --runs ${LARGEST_RUNS:-zoff zoff_bf16_moments} --run-timeout-s 300 --out "$OUT/largest.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/largest.txt" ;;
+      timeout ${LARGEST_TIMEOUT:-580} python3 scripts/checks/find_largest.py --runs ${LARGEST_RUNS:-zoff zoff_bf16_moments} --run-timeout-s 300 --out "$OUT/largest.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/largest.txt" ;;
     gpt7b_24gb)  # a 24 GB GPU's budget: the 7B GPT at batch 1, zoff and DeepSpeed
-      timeout ${BENCH_TIMEOUT:-560} python3 scripts/bench.py --model gpt7b --batch 1 --accumulate 1 --steps 4 --warmup 2 --gpu-memory-gb 24 --runs zoff deepspeed_zero3_offload --run-timeout-s 250 --out "$OUT/gpt7b_24gb.json" 2>&1 | grep -v "^INFO" | tail -8 | tee "$OUT/gpt7b_24gb.txt" ;;
+      timeout ${BENCH_TIMEOUT:-560} python3 scripts/bench/bench.py --model gpt7b --batch 1 --accumulate 1 --steps 4 --warmup 2 --gpu-memory-gb 24 --runs zoff deepspeed_zero3_offload --run-timeout-s 250 --out "$OUT/gpt7b_24gb.json" 2>&1 | grep -v "^INFO" | tail -8 | tee "$OUT/gpt7b_24gb.txt" ;;
     no_regression)  # where the model fits the GPU: zoff next to GPU-only training
-      timeout 330 python3 scripts/bench.py --model gpt7b --batch 4 --accumulate 1 --steps 5 --warmup 2 --runs gpu_only zoff --out "$OUT/gpt7b_b4.json" 2>&1 | grep -v "^INFO" | tail -6 | tee "$OUT/no_regression.txt"
-      timeout 200 python3 scripts/bench.py --model gpt1b --batch 8 --accumulate 1 --steps 6 --warmup 2 --runs gpu_only zoff --out "$OUT/gpt1b_b8.json" 2>&1 | grep -v "^INFO" | tail -6 | tee -a "$OUT/no_regression.txt" ;;
+      timeout 330 python3 scripts/bench/bench.py --model gpt7b --batch 4 --accumulate 1 --steps 5 --warmup 2 --runs gpu_only zoff --out "$OUT/gpt7b_b4.json" 2>&1 | grep -v "^INFO" | tail -6 | tee "$OUT/no_regression.txt"
+      timeout 200 python3 scripts/bench/bench.py --model gpt1b --batch 8 --accumulate 1 --steps 6 --warmup 2 --runs gpu_only zoff --out "$OUT/gpt1b_b8.json" 2>&1 | grep -v "^INFO" | tail -6 | tee -a "$OUT/no_regression.txt" ;;
     fsdp2_cpu_offload)  # FSDP2's own CPU offload next to zoff and the synchronous engine, gpt1b at accumulate 1 and 4
-      timeout ${BENCH_TIMEOUT:-400} python3 scripts/bench.py --runs fsdp2_cpu_offload zoff zoff_sync --accumulate 1 4 --steps 5 --warmup 2 --out "$OUT/fsdp2_cpu_offload.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/fsdp2_cpu_offload.txt" ;;
+      timeout ${BENCH_TIMEOUT:-400} python3 scripts/bench/bench.py --runs fsdp2_cpu_offload zoff zoff_sync --accumulate 1 4 --steps 5 --warmup 2 --out "$OUT/fsdp2_cpu_offload.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/fsdp2_cpu_offload.txt" ;;
     litgpt_1b)  # LitGPT's GPT (Llama-3.2-1B's config, random init) in LitGPT's setup order: zoff, then Fabric's FSDP as
       # LitGPT's pretrain.py sets it up; then zoff with the embedding tied to the head (one FSDP2 unit for both)
       l="python3 scripts/train_litgpt.py --model Llama-3.2-1B --devices 1 --block-size 2048 --micro-batch 4 --max-steps 12 --warmup 3 --log-every 4 --max-bytes 8000000 --out /tmp/litgpt"
@@ -126,6 +127,6 @@ for stage in "$@"; do
         name=$(echo $run | tr -dc 'a-z_ -' | tr ' -' '__' | sed 's/__*/_/g')
         timeout ${LITGPT_TIMEOUT:-200} $l --strategy $run --json "$OUT/litgpt_llama32_1b_$name.json" 2>&1 | grep -v "^INFO" | tail -3 | tee -a "$OUT/litgpt_1b.txt"
       done ;;
-    *) echo "unknown stage $stage: see the stages of scripts/gpu_checks.sh"; exit 2 ;;
+    *) echo "unknown stage $stage: see the stages of scripts/device/gpu_checks.sh"; exit 2 ;;
   esac
 done

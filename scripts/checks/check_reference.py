@@ -1,6 +1,6 @@
 """zoff on this machine's accelerator against an fp32 CPU reference (DDP + torch.optim.AdamW), same data and init.
 
-    python scripts/check_reference.py --steps 60 --out ref_check.json
+    python scripts/checks/check_reference.py --steps 60 --out ref_check.json
 
 Each side runs in its own subprocess (one process group each). Prints the per-step losses side by side, the
 largest relative difference, zoff's memory report and the accelerator's peak memory, and writes them as JSON.
@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))  # scripts/lib: the scripts' library
 
 from harness import call
 

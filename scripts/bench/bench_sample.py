@@ -1,7 +1,7 @@
 """Memory and time of no-grad forwards and of sampling after a training step: zoff next to DDP, 2 CPU ranks.
 
-    python scripts/bench_sample.py                             # gpt_125m's shape, zoff and ddp
-    python scripts/bench_sample.py --runs zoff --label before  # one run, named in the output file
+    python scripts/bench/bench_sample.py                             # gpt_125m's shape, zoff and ddp
+    python scripts/bench/bench_sample.py --runs zoff --label before  # one run, named in the output file
 
 Each run is a subprocess that forks its 2 ranks (gloo), trains one step (batch 2 x 64 tokens, synthetic data, 32-true)
 and then, in every rank:
@@ -10,7 +10,8 @@ and then, in every rank:
   sample      `sample(b"def ", 60, temperature=0.8, top_k=50)`, as scripts/train.py samples at the end
 and records each rank's resident memory (RSS) after training and after each phase, glibc's heap, and each phase's
 wall and CPU (user + system, all threads) seconds. Prints a table and writes
-bench/results/<date>_cpu<cores>_sample_<label>.json: {"machine": ..., "runs": [{"name", "ranks": [{...}, ...]}]}.
+bench/results/<date>_<machine>_sample_<label>.json (results.write_result; `cpu2` on 2 cores without a GPU):
+{"date", "machine", "command", ..., "runs": [{"name", "ranks": [{...}, ...]}]}.
 Wall times depend on what else the machine runs: its load average is recorded before and after each run.
 """
 
@@ -18,19 +19,18 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
-import json
 import os
-import platform
 import resource
-import socket
+import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))  # scripts/lib: the scripts' library
+
 from harness import report, run_function
 from model_shapes import conf_model
+from results import ROOT, write_result
 
-ROOT = Path(__file__).resolve().parents[1]
 GPT_125M = conf_model("gpt_125m")
 PHASES = ("same_shape", "growing", "sample")
 
@@ -131,21 +131,12 @@ def main() -> None:
     parser.add_argument("--label", default="", help="added to the output file's name (e.g. before, after)")
     parser.add_argument("--n-layer", type=int, default=GPT_125M["n_layer"], help="fewer blocks for a quick check")
     args = parser.parse_args()
-    import torch
-
     runs = [run(name, args.n_layer) for name in args.runs]
-    cores = len(os.sched_getaffinity(0))
-    machine = (f"{socket.gethostname()}: {cores} CPU cores ({platform.processor() or platform.machine()}), "
-               f"{os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GB, torch {torch.__version__}")
-    results = ROOT / "bench" / "results"
-    results.mkdir(parents=True, exist_ok=True)
-    name = f"{datetime.date.today()}_cpu{cores}_sample" + (f"_{args.label}" if args.label else "") + ".json"
     allocator_env = {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "THP_", "GLIBC_TUNABLES"))}
-    record = {"machine": machine, "label": args.label, "package": str(ROOT / "lightning_zoff"),
-              "allocator_environment": allocator_env, "model": {**GPT_125M, "n_layer": args.n_layer}, "runs": runs}
-    (results / name).write_text(json.dumps(record, indent=1))
+    record = {"label": args.label, "package": str(ROOT / "lightning_zoff"), "allocator_environment": allocator_env,
+              "model": {**GPT_125M, "n_layer": args.n_layer}, "runs": runs}
     print(table(runs))
-    print(f"wrote {results / name}")
+    print(f"wrote {write_result(record, 'sample' + (f'_{args.label}' if args.label else ''))}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 # next to those of ../shared/tools/device_wheels.sh, for lightning_zoff.examples.hf and tests/test_hf.py.
 # The GPU image already has torch, lightning (and what they need: filelock, fsspec, packaging, PyYAML,
 # typing-extensions), numpy, tqdm, ninja, pybind11, pytest, psutil.
-# Usage (from the project root):  scripts/hf_wheels.sh
+# Usage (from the project root):  scripts/device/hf_wheels.sh
 # In each device run: carry [".whl"] and start the command with
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 set -euo pipefail
