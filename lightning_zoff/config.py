@@ -17,8 +17,6 @@ import torch
 from torch import nn
 from torch.distributed.constants import default_pg_timeout
 
-from lightning_zoff.offload.placement import parse_accelerator_state
-
 StartMethod = Literal["subprocess", "fork", "spawn", "forkserver"]
 ACCUM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -118,6 +116,20 @@ class ZoffConfig:
     @property
     def accum_dtype(self) -> torch.dtype:
         return ACCUM_DTYPES[self.grad_accum_dtype]
+
+
+def parse_accelerator_state(value: object) -> str | float:
+    """"auto", "none" or a fraction in [0, 1], as the user may write it (YAML gives strings and numbers)."""
+    if isinstance(value, str) and value.strip().lower() in ("auto", "none"):
+        return value.strip().lower()
+    try:
+        fraction = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        fraction = -1.0
+    if isinstance(value, bool) or not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"accelerator_state={value!r}; choose 'auto', 'none' or a fraction of the optimizer state"
+                         " between 0 and 1 (e.g. 0.5: the first half of the model's units keep theirs on the GPU).")
+    return "none" if fraction == 0.0 else fraction
 
 
 def _one_of(name: str, value: Any, allowed: Iterable[Any], why: str = "") -> None:

@@ -17,18 +17,19 @@ from lightning_zoff._compat import finish_failed_backward
 from lightning_zoff.config import ZoffConfig
 from lightning_zoff.launch.group import RankGroup, group_is_up
 from lightning_zoff.launch.node_log import log_for_node
-from lightning_zoff.offload import OffloadEngine, describe_memory
-from lightning_zoff.offload.memory_plan import (
+from lightning_zoff.offload import (
     Machine,
     MemoryPlan,
+    OffloadEngine,
+    Placement,
     StateOptions,
     accelerator_holds_all,
+    back_for_room,
+    describe_memory,
     measure_machine,
     plan_memory,
     size,
 )
-from lightning_zoff.offload.moves import back_for_room
-from lightning_zoff.offload.placement import Placement
 from lightning_zoff.sharding import unit_shapes_before_sharding
 from lightning_zoff.units import Unit, forward_order
 

@@ -24,8 +24,7 @@ from lightning_zoff._compat import (
     is_view,
     replace_direct_tensor,
 )
-from lightning_zoff.offload.layout import padded_shard_numel
-from lightning_zoff.offload.memory_plan import UnitShape
+from lightning_zoff.offload import UnitShape, padded_shard_numel
 from lightning_zoff.units import Unit
 
 

@@ -1,8 +1,10 @@
-"""The house: a core that imports no Lightning, and two front doors that importing the package registers, whichever
-comes first. Each check runs in a fresh Python process, so what this one imported does not count."""
+"""The house: a core that imports no Lightning, a config that loads no engine, an engine whose outsiders use only
+what its package exports, and two front doors that importing the package registers, whichever comes first. Each
+import check runs in a fresh Python process, so what this one imported does not count."""
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -10,6 +12,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+PACKAGE = REPO / "lightning_zoff"
 CORE = ("lightning_zoff.offload", "lightning_zoff.training", "lightning_zoff.sharding", "lightning_zoff.checkpoint",
         "lightning_zoff.checkpoint.consolidate", "lightning_zoff.config", "lightning_zoff.precision_math",
         "lightning_zoff.optim", "lightning_zoff.ops")
@@ -25,6 +28,50 @@ def test_the_core_loads_neither_lightning_pytorch_nor_lightning_fabric():
     loaded = python(f"import sys\nfor m in {CORE!r}: __import__(m)\n"
                     "print(sorted(m for m in sys.modules if m.split('.')[0] == 'lightning'))")
     assert loaded == "[]"
+
+
+def test_the_config_loads_no_engine():
+    # ZoffConfig is what a door, the CLI and README's table read: loading it must not load the engine, the optimizers
+    # or the kernels
+    loaded = python("import sys\nimport lightning_zoff.config\n"
+                    "print(sorted(m for m in sys.modules if m.startswith(('lightning_zoff.offload',"
+                    " 'lightning_zoff.optim', 'lightning_zoff.ops'))))")
+    assert loaded == "[]"
+
+
+def exported_by_offload() -> set[str]:
+    tree = ast.parse((PACKAGE / "offload" / "__init__.py").read_text())
+    (names,) = [ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                and [getattr(t, "id", None) for t in node.targets] == ["__all__"]]
+    return set(names)
+
+
+def offload_imports(path: Path) -> list[tuple[int, str, str | None]]:
+    """(line, module, name) of each import of `lightning_zoff.offload` or a module in it in `path` (name None for
+    `import module`); relative imports resolved against the file's package."""
+    package = ["lightning_zoff", *path.relative_to(PACKAGE).parent.parts]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            found += [(node.lineno, module, alias.name) for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name, None) for alias in node.names]
+    return [(line, module, name) for line, module, name in found
+            if module == "lightning_zoff.offload" or module.startswith("lightning_zoff.offload.")]
+
+
+def test_code_outside_the_engine_imports_only_what_its_package_exports():
+    exported = exported_by_offload()
+    strays = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if PACKAGE / "offload" in path.parents:
+            continue
+        for line, module, name in offload_imports(path):
+            if module != "lightning_zoff.offload" or name not in exported:
+                strays.append(f"{path.relative_to(REPO)}:{line}: {module} {name or ''}".rstrip())
+    assert not strays, "import these from lightning_zoff.offload (export them there first):\n" + "\n".join(strays)
 
 
 def test_importing_the_package_registers_both_doors_when_lightning_comes_after_it():

@@ -6,15 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_zoff.config import parse_accelerator_state
 from lightning_zoff.offload.layout import ParamSlot, UnitLayout
 from lightning_zoff.offload.memory_plan import UnitShape
-from lightning_zoff.offload.placement import (
-    fewest_for_host,
-    first_by_fraction,
-    first_that_fit,
-    margin_bytes,
-    parse_accelerator_state,
-)
+from lightning_zoff.offload.placement import fewest_for_host, first_by_fraction, first_that_fit, margin_bytes
 
 UNITS = [UnitShape("embed", 10, 10, True), UnitShape("h.0", 20, 20, True), UnitShape("h.1", 30, 30, True),
          UnitShape("head", 40, 40, True)]

@@ -1,4 +1,5 @@
-"""Which units keep their optimizer state on the accelerator and which on the host: the option and its rules.
+"""Which units keep their optimizer state on the accelerator and which on the host: the rules of the option
+(`ZoffConfig` reads what the user wrote).
 
 Each unit whose state lives on the accelerator takes its whole update (28 B/param of host traffic with fp32 moments)
 off the host, the bottleneck. The accelerator takes the units the next forward needs first: the host's units are then
@@ -40,20 +41,6 @@ class Named(Protocol):
 
 
 Unit = TypeVar("Unit", bound=Named)
-
-
-def parse_accelerator_state(value: object) -> str | float:
-    """"auto", "none" or a fraction in [0, 1], as the user may write it (YAML gives strings and numbers)."""
-    if isinstance(value, str) and value.strip().lower() in ("auto", "none"):
-        return value.strip().lower()
-    try:
-        fraction = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        fraction = -1.0
-    if isinstance(value, bool) or not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"accelerator_state={value!r}; choose 'auto', 'none' or a fraction of the optimizer state"
-                         " between 0 and 1 (e.g. 0.5: the first half of the model's units keep theirs on the GPU).")
-    return "none" if fraction == 0.0 else fraction
 
 
 def margin_bytes(total: int) -> int:
