@@ -1,7 +1,8 @@
 """What the two front doors (`trainer.ZoffStrategy`, `fabric.ZoffFabricStrategy`) share: the rank's
-`ShardedTraining`, the views of it benchmarks and callbacks read, where the rank stands, how the ranks start and the
-collectives. Each door mixes this in before its Lightning base class, whose rank and device attributes it reads and
-whose methods of the same names it stands in for."""
+`ShardedTraining`, held as the `contract.Core` that states what a door may ask of it, the views of it benchmarks and
+callbacks read, where the rank stands, how the ranks start and the collectives. Each door mixes this in before its
+Lightning base class, whose rank and device attributes it reads and whose methods of the same names it stands in
+for."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from lightning.fabric.plugins.environments import ClusterEnvironment
 
 from lightning_zoff._compat_lightning import set_strategy_launcher
 from lightning_zoff.config import ZoffConfig
+from lightning_zoff.contract import Core
 from lightning_zoff.launch import group as rank_group, ranks
 from lightning_zoff.launch.cpus import CpuLayout
 from lightning_zoff.launch.group import RankGroup
@@ -25,7 +27,7 @@ class FrontDoor:
     script_launcher: Callable[[ClusterEnvironment, int, int], Any]
     process_launcher: Callable[..., Any]
     config: ZoffConfig
-    training: ShardedTraining | None
+    training: Core | None
     _cpu_layout: CpuLayout | None
     root_runs_forward: bool  # whether the training loop calls the model itself (Fabric) or training_step (Trainer)
     # the Lightning strategy's own
@@ -54,14 +56,14 @@ class FrontDoor:
     @property
     def memory_report(self) -> dict[str, float]:
         """The engine's memory by kind and side, as last reported (setup, or after "auto" moved state)."""
-        return self.training.memory.report if self.training is not None else {}
+        return self.training.memory_report if self.training is not None else {}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The module's state dict with fp32 master weights, on every rank (a collective)."""
         return self._training().full_state_dict()
 
-    def _training(self) -> ShardedTraining:
-        if self.training is None:
+    def _training(self) -> Core:
+        if self.training is None:  # mypy checks here that ShardedTraining meets the contract
             group = RankGroup(self.root_device, self.world_size, self.global_rank, self.local_rank,
                               self.num_processes)
             self.training = ShardedTraining(self.config, group, self._cpu_layout,

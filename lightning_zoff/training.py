@@ -3,8 +3,8 @@ off, the engine that owns the optimizer state (`offload/engine.py` tells a gradi
 plans and reports it, the checkpoints, and the step's timing.
 
 The Trainer's `ZoffStrategy` and Fabric's `ZoffFabricStrategy` each hold one `ShardedTraining` and translate their
-framework's calls into these few: `shard`, `build_engine`, `forward`, `backward`, `step`, and the checkpoint methods.
-Nothing here imports Lightning.
+framework's calls into these few: `shard`, `build_engine`, `forward`, `backward`, `step`, and the checkpoint methods;
+`contract.Core` states them, their order and who owns what. Nothing here imports Lightning.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from lightning_zoff.config import ZoffConfig
 from lightning_zoff.launch.cpus import CpuLayout, rank_layout, torch_threads
 from lightning_zoff.launch.group import RankGroup
 from lightning_zoff.memory import Memory
-from lightning_zoff.offload import OffloadEngine, StepOutcome
-from lightning_zoff.offload.memory_plan import PlanDoesNotFit
+from lightning_zoff.offload import OffloadEngine, PlanDoesNotFit, StepOutcome
 from lightning_zoff.precision_math import PrecisionMath
 from lightning_zoff.sharding import checkpoint_activations, is_sharded, shard_model
 from lightning_zoff.telemetry import StepTimer, step_metrics
@@ -147,6 +146,10 @@ class ShardedTraining:
                         f"; loss scale now {precision.loss_scale:g}" if precision.scaler is not None else "")
         return outcome
 
+    @property
+    def memory_report(self) -> dict[str, float]:
+        return self.memory.report
+
     def make_room_after_oom(self) -> bool:
         """After a window's step ran out of accelerator memory before its decision: state moved back to the host so
         the same batch can run again (`Memory.make_room_after_oom`); whether any moved."""
@@ -160,6 +163,13 @@ class ShardedTraining:
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
         """None before the engine exists (the door's own then)."""
         return self.checkpoints.optimizer_state(self._module(), self.engine, optimizer)
+
+    def save(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        """Write the door's `checkpoint` dict (its `state_dict` and `optimizer_states` from this object) to `path`."""
+        self.checkpoints.save(checkpoint, path, storage_options)
+
+    def remove(self, path: Any) -> None:
+        self.checkpoints.remove(path)
 
     def load(self, path: Any, optimizer: torch.optim.Optimizer | None, weights_only: bool | None = None
              ) -> dict[str, Any]:

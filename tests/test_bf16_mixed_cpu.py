@@ -10,8 +10,9 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import helpers.trainer
+from helpers.tiny_module import read_probe
 from lightning_zoff import ZoffStrategy
-from tiny import Probe, read_probe
 
 DIM, CLASSES = 32, 4
 
@@ -47,14 +48,10 @@ class Classifier(pl.LightningModule):
 
 
 def fit(out, strategy) -> dict:
-    out.mkdir()
     pl.seed_everything(3)
     x = torch.randn(256, DIM, generator=torch.Generator().manual_seed(0))
     data = DataLoader(TensorDataset(x, x[:, :CLASSES].argmax(dim=1)), batch_size=16)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="bf16-mixed", max_steps=8,
-                         gradient_clip_val=1.0, callbacks=[Probe(out)], logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(Classifier(), data)
+    helpers.trainer.fit(Classifier(), data, strategy, out=out, precision="bf16-mixed", max_steps=8, clip=1.0)
     return read_probe(out)
 
 

@@ -19,13 +19,14 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.multiprocessing import ProcessRaisedException
 
+from helpers.resume_run import SaveBatch, resume_fit
+from helpers.safetensors_reader import nested, rank_file_tensors
+from helpers.tiny import TinyLM, token_loader
+from helpers.tiny_module import TinyModule, read_probe
 from lightning_zoff import ZoffPrecision, ZoffStrategy
 from lightning_zoff.checkpoint import full_optimizer_state
 from lightning_zoff.checkpoint.consolidate import consolidate
 from lightning_zoff.checkpoint.files import CheckpointError, recover
-from resume_run import SaveBatch, resume_fit
-from safetensors_reader import nested, rank_file_tensors
-from tiny import TinyLM, TinyModule, read_probe, token_loader
 
 REPO = Path(__file__).parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}

@@ -17,14 +17,14 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
-from format_1 import SaveFormat1
+from helpers.format_1 import SaveFormat1
+from helpers.resume_run import resume_fit
+from helpers.safetensors_reader import rank_file_tensors
+from helpers.tiny_module import TinyModule
 from lightning_zoff import ZoffPrecision, ZoffStrategy
 from lightning_zoff.checkpoint.consolidate import consolidate
 from lightning_zoff.checkpoint.files import CheckpointError
 from lightning_zoff.checkpoint.rank_files import RankFiles, Rows, Staging, chunk_start, file_name, write_rank_file
-from resume_run import resume_fit
-from safetensors_reader import rank_file_tensors
-from tiny import TinyModule
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP6 = "epoch=0-step=6.ckpt"

@@ -2,8 +2,8 @@
 
 from lightning.pytorch.cli import LightningCLI
 
+from helpers.tiny_module import TinyModule
 from lightning_zoff import ZoffStrategy
-from tiny import TinyModule
 
 
 def test_strategy_from_class_path():

@@ -11,9 +11,9 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch._dynamo.utils import counters
 
+from helpers.tiny_module import TinyModule, read_probe
 from lightning_zoff import ZoffStrategy
 from test_training import fit, rel_err
-from tiny import TinyModule, read_probe
 
 
 class CompiledBlocks(TinyModule):

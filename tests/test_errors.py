@@ -15,9 +15,10 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from helpers.tiny import TinyLM, token_loader
+from helpers.tiny_module import TinyModule
 from lightning_zoff import ZoffPrecision, ZoffStrategy
 from lightning_zoff.trainer.checks import check_configured_optimizers
-from tiny import TinyLM, TinyModule, token_loader
 
 
 class NoStep(TinyModule):
@@ -162,7 +163,7 @@ def test_refused_before_the_ranks_start_with_the_message_once(tmp_path, mistake,
     assert len(lines) < 25, output
     assert "Initializing distributed" not in output  # no rank started, so none printed a traceback of its own
     # Nothing heavy ran before the refusal: no rank besides this process, no process group, no sharding, no kernel
-    # build (the cache stays empty). How long a refusal takes: scripts/bench_refusal.py.
+    # build (the cache stays empty). How long a refusal takes: scripts/bench/bench_refusal.py.
     assert events == [], output[-3000:]
     assert not (tmp_path / "kernels").exists()
 

@@ -15,7 +15,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.multiprocessing import ProcessRaisedException
 
-from fabric_loop import FabricTiny, micro_batch, train, trainer_loader
+from helpers.fabric_loop import FabricTiny, micro_batch, train, trainer_loader
 from lightning_zoff import ZoffFabricPrecision, ZoffFabricStrategy, ZoffStrategy, training
 from lightning_zoff.offload.memory_plan import PlanDoesNotFit
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from lightning.fabric import Fabric
 from torch.multiprocessing import ProcessRaisedException
 
-from fabric_loop import FabricTiny, micro_batch, train
+from helpers.fabric_loop import FabricTiny, micro_batch, train
 from lightning_zoff import ZoffFabricStrategy, training
 from lightning_zoff.offload.memory_plan import PlanDoesNotFit
 

@@ -12,7 +12,7 @@ from lightning.fabric import Fabric
 from safetensors.torch import save_file
 from torch.multiprocessing import ProcessRaisedException
 
-from fabric_loop import FabricTiny, micro_batch
+from helpers.fabric_loop import FabricTiny, micro_batch
 from lightning_zoff import ZoffFabricStrategy
 
 

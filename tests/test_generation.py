@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+import helpers.trainer
 from lightning_zoff import ZoffStrategy
 from lightning_zoff.examples.corpus import SyntheticDataModule
 from lightning_zoff.examples.gpt import GPT, GPTConfig, GPTModule, draw_token
@@ -95,11 +96,8 @@ PROMPT, SAMPLE_TOKENS = b"def f(x):", 24
 
 def fit(module: pl.LightningModule, callback: pl.Callback) -> None:
     strategy = ZoffStrategy(start_method="fork", weights_to_main_process=True)  # the sample test reads them
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=1, callbacks=[callback], logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-    )
-    trainer.fit(module, datamodule=SyntheticDataModule(vocab_size=256, block_size=16, batch_size=2, num_samples=64))
+    data = SyntheticDataModule(vocab_size=256, block_size=16, batch_size=2, num_samples=64)
+    helpers.trainer.fit(module, data, strategy, max_steps=1, callbacks=[callback], limit_val_batches=0)
 
 
 class Gathers:

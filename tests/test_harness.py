@@ -1,5 +1,6 @@
-"""What the scripts share (scripts/harness.py, recorders.py, model_shapes.py): the peak resident memory of a process
-tree, a child's results by rank, the kill at a timeout, the failure line, the step recorder and the models by name."""
+"""What the scripts share (scripts/lib/: harness.py, recorders.py, model_shapes.py): the peak resident memory of a
+process tree, a child's results by rank, the kill at a timeout, the failure line, the step recorder and the models by
+name."""
 
 from __future__ import annotations
 
@@ -129,8 +130,9 @@ def test_options_are_python_literals_or_strings():
 def test_the_step_recorder_records_every_batch(capsys):
     import lightning.pytorch as pl
 
+    from helpers.tiny import token_loader
+    from helpers.tiny_module import TinyModule
     from recorders import StepRecorder
-    from tiny import TinyModule, token_loader
 
     recorder = StepRecorder(verbose=True)
     module = TinyModule()

@@ -14,14 +14,15 @@ import torch.nn.functional as F
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
+import helpers.trainer
+from helpers.resume_run import SaveBatch
+from helpers.tiny_module import read_probe
 from lightning_zoff import ZoffStrategy
 from lightning_zoff.examples.corpus import CorpusDataModule
 from lightning_zoff.examples.gpt import GPTModule, token_bytes
 from lightning_zoff.examples.hf import PRESETS, HFCausalLM, hf_config
 from lightning_zoff.sharding import default_param_init, materialize
 from lightning_zoff.units import plan_units
-from resume_run import SaveBatch
-from tiny import Probe, read_probe
 
 TINY = ["llama_tiny", "qwen3_tiny", "opt_tiny"]
 EMBED, HEAD = "model.model.embed_tokens.weight", "model.lm_head.weight"  # Llama and Qwen3 names
@@ -47,16 +48,11 @@ def corpus() -> CorpusDataModule:
 def fit(out: Path, strategy, module: pl.LightningModule | None = None, *, max_steps: int = 6, accumulate: int = 2,
         callbacks=(), trainer_hook=None) -> tuple[pl.Trainer, pl.LightningModule]:
     """2 ranks, 32-true, clipping; `trainer_hook(trainer)` builds the module when given."""
-    out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(7)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=max_steps, accumulate_grad_batches=accumulate,
-        gradient_clip_val=1.0, callbacks=[Probe(out), *callbacks], logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-    )
-    module = module if module is not None else trainer_hook(trainer)
-    trainer.fit(module, datamodule=corpus())
-    return trainer, module
+    trainer = helpers.trainer.fit(module if module is not None else trainer_hook, corpus(), strategy, out=out,
+                                  max_steps=max_steps, accumulate=accumulate, clip=1.0, callbacks=callbacks,
+                                  limit_val_batches=0)
+    return trainer, trainer.lightning_module
 
 
 def rel_err(a, b) -> float:

@@ -14,9 +14,10 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.multiprocessing import ProcessExitedException
 
+from helpers.tiny import token_loader
+from helpers.tiny_module import TinyModule
 from lightning_zoff import ZoffStrategy
 from lightning_zoff.checkpoint.consolidate import consolidate
-from tiny import TinyModule, token_loader
 
 
 def trainer(tmp_path, strategy, **kwargs):

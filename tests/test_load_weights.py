@@ -11,11 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch.multiprocessing import ProcessRaisedException
 
+import helpers.trainer
+from helpers.resume_run import SaveBatch
+from helpers.tiny import token_loader
+from helpers.tiny_module import Probe, TinyModule, read_probe
 from lightning_zoff import ZoffStrategy
 from lightning_zoff.checkpoint.pretrained import OnDisk, to_module_names
 from lightning_zoff.sharding import local_chunk
-from resume_run import SaveBatch
-from tiny import Probe, TinyModule, read_probe, token_loader
 
 
 class LoadAtStart(pl.Callback):
@@ -31,13 +33,9 @@ class LoadAtStart(pl.Callback):
 
 def train_from(tmp_path, path, pretrained, strict=True):
     pl.seed_everything(7)  # another init than the pretrained weights'
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=ZoffStrategy(start_method="fork"), max_steps=1, logger=False,
-        callbacks=[LoadAtStart(path, pretrained, tmp_path, strict), Probe(tmp_path), SaveBatch(0, tmp_path)],
-        enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-    )
-    trainer.fit(TinyModule(), token_loader())
+    helpers.trainer.fit(TinyModule(), token_loader(), ZoffStrategy(start_method="fork"), max_steps=1,
+                        callbacks=[LoadAtStart(path, pretrained, tmp_path, strict), Probe(tmp_path),
+                                   SaveBatch(0, tmp_path)])
 
 
 def test_loaded_weights_give_the_full_models_loss(tmp_path):

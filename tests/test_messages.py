@@ -12,9 +12,10 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from helpers.tiny import token_loader
+from helpers.tiny_module import TinyModule
 from lightning_zoff import ZoffStrategy
 from lightning_zoff.checkpoint.consolidate import consolidate
-from tiny import TinyModule, token_loader
 
 SCRIPT = Path(__file__).parent / "scripts" / "speak.py"
 

@@ -10,9 +10,11 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
+import helpers.trainer
+from helpers.nanogpt import NanoGPT
+from helpers.tiny import token_loader
+from helpers.tiny_module import read_probe
 from lightning_zoff import ZoffStrategy
-from nanogpt import NanoGPT
-from tiny import Probe, read_probe, token_loader
 
 TIED = ("transformer.wte.weight", "lm_head.weight")
 
@@ -21,11 +23,8 @@ def fit(out, strategy, *, tie: bool, max_steps: int = 8, ckpt_path=None, callbac
     """The trained module (its weights: rank 0's) and rank 0's micro-batch losses."""
     pl.seed_everything(3)
     module = NanoGPT(tie=tie)
-    out.mkdir(exist_ok=True)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=max_steps,
-                         accumulate_grad_batches=2, gradient_clip_val=0.5, logger=False, default_root_dir=out,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Probe(out), *callbacks])
-    trainer.fit(module, token_loader(n=samples), ckpt_path=ckpt_path)
+    helpers.trainer.fit(module, token_loader(n=samples), strategy, out=out, max_steps=max_steps, accumulate=2, clip=0.5,
+                        callbacks=callbacks, ckpt_path=ckpt_path, enable_checkpointing=True)
     return module, read_probe(out)["losses"]
 
 

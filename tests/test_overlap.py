@@ -10,9 +10,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+import helpers.trainer
+from helpers.tiny import SEQ, VOCAB, token_loader
+from helpers.tiny_module import TinyModule
 from lightning_zoff import ZoffPrecision, ZoffStrategy
 from lightning_zoff.examples.gpt import GPTModule
-from tiny import SEQ, VOCAB, TinyModule, token_loader
 
 STEPS, BAD_STEP = 20, 7
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -65,15 +67,11 @@ def run(out: Path, *, overlap: bool, await_speculation: bool = False, accumulate
     # norms run about 0.83-1.0 with one micro-batch and 0.74-0.87 with two: clip inside that range
     out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(3)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=2,
-        strategy=ZoffStrategy(start_method="fork", overlap=overlap, grad_accum_on=where, optimizer_state_dtype=moments),
-        plugins=[ZoffPrecision("16-mixed", scale=2.0**10, hysteresis=1)], max_steps=STEPS,
-        accumulate_grad_batches=accumulate, gradient_clip_val=clip or (0.9 if accumulate == 1 else 0.81),
-        callbacks=[Record(out, await_speculation)],
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )
-    trainer.fit(PoisonOneStep(), token_loader(n=2 * 2 * 4 * STEPS * accumulate))
+    helpers.trainer.fit(
+        PoisonOneStep(), token_loader(n=2 * 2 * 4 * STEPS * accumulate),
+        ZoffStrategy(start_method="fork", overlap=overlap, grad_accum_on=where, optimizer_state_dtype=moments),
+        plugins=[ZoffPrecision("16-mixed", scale=2.0**10, hysteresis=1)], max_steps=STEPS, accumulate=accumulate,
+        clip=clip or (0.9 if accumulate == 1 else 0.81), callbacks=[Record(out, await_speculation)])
     return [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
 
 
@@ -145,11 +143,9 @@ def fit_deep_gpt(out: Path) -> list[dict]:
     # a GPT's shape: 24 equal blocks and a root unit (embeddings, final norm, head); a bf16 model, fp32 moments,
     # accumulate 1, overlap on
     out.mkdir()
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ZoffStrategy(start_method="fork"),
-                         precision="bf16-true", max_steps=2, callbacks=[MemoryReport(out)], logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     module = GPTModule(vocab_size=VOCAB, block_size=SEQ, n_layer=24, n_head=2, n_embd=32, bias=False)
-    trainer.fit(module, token_loader(n=16))
+    helpers.trainer.fit(module, token_loader(n=16), ZoffStrategy(start_method="fork"), precision="bf16-true",
+                        max_steps=2, callbacks=[MemoryReport(out)])
     return [torch.load(out / f"memory{rank}.pt") for rank in (0, 1)]
 
 

@@ -15,10 +15,11 @@ import torch.nn.functional as F
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
+import helpers.trainer
 import lightning_zoff.sharding
+from helpers.tiny import VOCAB, token_loader
 from lightning_zoff import ZoffStrategy
 from lightning_zoff._compat import is_view
-from tiny import VOCAB, token_loader
 
 DIM = 16
 
@@ -74,10 +75,7 @@ class RecordWarnings(pl.Callback):
 
 def fit(out_dir: Path, strategy, in_place: bool = False) -> list[dict]:
     pl.seed_everything(3)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=4, logger=False,
-                         callbacks=[RecordWarnings(out_dir)], enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
-    trainer.fit(Plain(in_place), token_loader(n=64))
+    helpers.trainer.fit(Plain(in_place), token_loader(n=64), strategy, max_steps=4, callbacks=[RecordWarnings(out_dir)])
     return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 

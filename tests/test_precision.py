@@ -9,9 +9,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+import helpers.trainer
+from helpers.tiny import token_loader
+from helpers.tiny_module import TinyModule
 from lightning_zoff import ZoffPrecision, ZoffStrategy
 from lightning_zoff.loss_scale import DynamicLossScaler
-from tiny import TinyModule, token_loader
 
 BAD_STEP = 3
 
@@ -68,13 +70,9 @@ class StateWatch(pl.Callback):
 
 def run(tmp_path, poison, precision, accumulate=2, accelerator_state="auto"):
     pl.seed_everything(5)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=ZoffStrategy(start_method="fork", accelerator_state=accelerator_state),
-        plugins=[precision], max_steps=7, accumulate_grad_batches=accumulate, gradient_clip_val=1.0,
-        callbacks=[StateWatch(tmp_path)],
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )
-    trainer.fit(PoisonedStep(poison), token_loader())
+    helpers.trainer.fit(PoisonedStep(poison), token_loader(),
+                        ZoffStrategy(start_method="fork", accelerator_state=accelerator_state), plugins=[precision],
+                        max_steps=7, accumulate=accumulate, clip=1.0, callbacks=[StateWatch(tmp_path)])
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 

@@ -21,9 +21,10 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.fsdp import FSDPModule
 
 import lightning_zoff.optim
+from helpers.tiny import EPS, token_loader
+from helpers.tiny_module import TinyModule, read_probe
 from lightning_zoff import ZoffStrategy
 from test_training import fit, rel_err
-from tiny import EPS, TinyModule, read_probe, token_loader
 
 
 def in_ranks(fn, *args) -> None:

@@ -10,24 +10,23 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch.multiprocessing import ProcessRaisedException
 
+import helpers.trainer
 import lightning_zoff
-import tiny
+from helpers import tiny
+from helpers.tiny import SEQ, VOCAB, token_loader
+from helpers.tiny_module import TinyModule, read_probe
 from lightning_zoff import ZoffStrategy
 from lightning_zoff.offload.memory_plan import StateOptions, host_bytes_per_element
 from lightning_zoff.offload.placement import Placement
-from tiny import SEQ, VOCAB, Probe, TinyModule, read_probe, token_loader
 
 
 def fit(tmp_path, strategy, *, devices=2, precision="32-true", batch_size=4, max_steps=12, optimizer="adamw",
         accumulate=2, module=None, callbacks=(), **kw):
     pl.seed_everything(7)
     module = module or TinyModule(optimizer)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, precision=precision, max_steps=max_steps,
-        accumulate_grad_batches=accumulate, gradient_clip_val=0.84, callbacks=[Probe(tmp_path), *callbacks],
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kw,
-    )
-    trainer.fit(module, train_dataloaders=token_loader(batch_size=batch_size))
+    trainer = helpers.trainer.fit(module, token_loader(batch_size=batch_size), strategy, out=tmp_path, devices=devices,
+                                  precision=precision, max_steps=max_steps, accumulate=accumulate, clip=0.84,
+                                  callbacks=callbacks, **kw)
     return trainer, module
 
 
@@ -338,13 +337,9 @@ def test_activation_checkpointing_changes_no_loss(tmp_path):
         out = tmp_path / name
         out.mkdir()
         pl.seed_everything(7)
-        trainer = pl.Trainer(
-            accelerator="cpu", devices=2,
-            strategy=ZoffStrategy(start_method="fork", activation_checkpointing_policy=policy),
-            max_steps=4, accumulate_grad_batches=2, gradient_clip_val=0.84, callbacks=[Probe(out)], logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        )
-        trainer.fit(CountingModule(out), train_dataloaders=token_loader())
+        helpers.trainer.fit(CountingModule(out), token_loader(),
+                            ZoffStrategy(start_method="fork", activation_checkpointing_policy=policy), out=out,
+                            max_steps=4, accumulate=2, clip=0.84)
         results[name] = (read_probe(out)["losses"], int((out / "calls0.txt").read_text()))
     (plain_losses, plain_calls), (ac_losses, ac_calls) = results["plain"], results["checkpointed"]
     assert ac_losses == plain_losses  # bit for bit: the recomputed forward is the same computation
@@ -387,16 +382,16 @@ def test_model_built_in_configure_model_trains_like_one_built_in_init(tmp_path):
 
 
 def test_empty_init_builds_on_meta_and_each_rank_initialises_its_units(tmp_path):
+    def build(trainer):
+        with trainer.init_module(empty_init=True):
+            module = MetaCheck()
+        assert all(p.is_meta for p in module.parameters())  # nothing allocated in the parent
+        return module
+
     pl.seed_everything(7)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=ZoffStrategy(start_method="fork", weights_to_main_process=True),
-        max_steps=12, accumulate_grad_batches=2, callbacks=[Probe(tmp_path)], logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-    )
-    with trainer.init_module(empty_init=True):
-        module = MetaCheck()
-    assert all(p.is_meta for p in module.parameters())  # nothing allocated in the parent
-    trainer.fit(module, train_dataloaders=token_loader())
+    strategy = ZoffStrategy(start_method="fork", weights_to_main_process=True)
+    trainer = helpers.trainer.fit(build, token_loader(), strategy, out=tmp_path, max_steps=12, accumulate=2)
+    module = trainer.lightning_module
     losses = read_probe(tmp_path)["losses"]
     assert losses[-1] < losses[0] - 0.3  # initialised (reset_parameters) and learning
     # the main process got the trained fp32 weights, though its model never had memory of its own
@@ -418,15 +413,13 @@ class InitStats(pl.Callback):
 
 
 def fit_on_meta(out, build, **strategy_kw):
+    def on_meta(trainer):
+        with trainer.init_module(empty_init=True):
+            return build()
+
     pl.seed_everything(7)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=ZoffStrategy(start_method="fork", **strategy_kw), max_steps=1,
-        callbacks=[InitStats(out)], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    with trainer.init_module(empty_init=True):
-        module = build()
-    trainer.fit(module, train_dataloaders=token_loader(n=16))
+    helpers.trainer.fit(on_meta, token_loader(n=16), ZoffStrategy(start_method="fork", **strategy_kw), max_steps=1,
+                        callbacks=[InitStats(out)])
     return json.loads((out / "init.json").read_text())
 
 

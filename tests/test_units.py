@@ -8,8 +8,8 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import nn
 
+from helpers.nanogpt import NanoGPT
 from lightning_zoff.units import ROOT, forward_order, plan_units
-from nanogpt import NanoGPT
 
 
 def names(units):

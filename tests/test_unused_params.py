@@ -16,10 +16,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
-import tiny
+import helpers.trainer
+from helpers import tiny
+from helpers.resume_run import resume_fit
+from helpers.tiny import DIM, VOCAB, token_loader
+from helpers.tiny_module import TinyModule
 from lightning_zoff import ZoffStrategy
-from resume_run import resume_fit
-from tiny import DIM, VOCAB, TinyModule, token_loader
 
 STEPS = 8
 
@@ -139,11 +141,8 @@ class BranchModule(TinyModule):
 def train(out: Path, strategy, make_module, *, accumulate: int = 1, batch_size: int = 4, steps: int = STEPS) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(11)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="32-true", max_steps=steps,
-                         accumulate_grad_batches=accumulate, gradient_clip_val=0.84, callbacks=[Recorder(out)],
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
-    trainer.fit(make_module(), train_dataloaders=token_loader(batch_size=batch_size))
+    helpers.trainer.fit(make_module(), token_loader(batch_size=batch_size), strategy, max_steps=steps,
+                        accumulate=accumulate, clip=0.84, callbacks=[Recorder(out)])
     return {rank: torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)}
 
 

@@ -14,10 +14,12 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from fabric_loop import RankRows
+import helpers.trainer
+from helpers.fabric_loop import RankRows
+from helpers.tiny import token_loader
+from helpers.tiny_module import TinyModule, read_probe
 from lightning_zoff import ZoffStrategy
 from lightning_zoff.offload.memory_plan import StateOptions, host_bytes_per_element
-from tiny import Probe, TinyModule, read_probe, token_loader
 
 STEPS, BATCH, MAX_NORM = 8, 4, 0.84  # BATCH per rank and micro-batch; 2 ranks
 
@@ -25,17 +27,13 @@ STEPS, BATCH, MAX_NORM = 8, 4, 0.84  # BATCH per rank and micro-batch; 2 ranks
 def zoff_run(tmp_path, accumulate: int, steps: int = STEPS, rows: int = 192, callbacks=(), ckpt_path=None,
              **options) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Rank 0's micro-batch losses and the trained weights of a 2-rank zoff fit over the first `rows` samples."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(7)
     module = TinyModule(step_lr=False)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=2, max_steps=steps, accumulate_grad_batches=accumulate, gradient_clip_val=MAX_NORM,
-        strategy=ZoffStrategy(start_method="fork", weights_to_main_process=True, **options),
-        callbacks=[Probe(tmp_path), *callbacks], logger=False, enable_checkpointing=bool(callbacks),
-        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
     inputs, targets = (t[:rows] for t in token_loader().dataset.tensors)  # rank r's rows: r, r + 2, ... in order
     loader = DataLoader(TensorDataset(inputs, targets), batch_size=BATCH, sampler=RankRows(rows, 2))
-    trainer.fit(module, loader, ckpt_path=ckpt_path)
+    helpers.trainer.fit(module, loader, ZoffStrategy(start_method="fork", weights_to_main_process=True, **options),
+                        out=tmp_path, max_steps=steps, accumulate=accumulate, clip=MAX_NORM, callbacks=callbacks,
+                        ckpt_path=ckpt_path, enable_checkpointing=bool(callbacks), use_distributed_sampler=False)
     probe = read_probe(tmp_path)
     assert probe["held"]["host"] == probe["planned"]["host"]  # the plan holds every byte, the lag's buffers too
     return probe["losses"], module.state_dict()

@@ -18,8 +18,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_zoff.checkpoint.files import is_zoff_checkpoint
+from lightning_zoff.contract import Core
 from lightning_zoff.precision_math import PrecisionMath
-from lightning_zoff.training import ShardedTraining
 
 # Where the Trainer keeps the loss scale: its precision plugin's class name (`ZoffPrecision.state_dict`).
 PRECISION_KEY = "ZoffPrecision"
@@ -49,7 +49,7 @@ def split_state(state: dict[str, Any], module: nn.Module) -> tuple[str | None, s
     return module_key, optimizer_key, rest
 
 
-def save(training: ShardedTraining, precision: PrecisionMath, path: Any, state: dict[str, Any]) -> None:
+def save(training: Core, precision: PrecisionMath, path: Any, state: dict[str, Any]) -> None:
     module = training.module
     assert module is not None, "fabric.save: set up the model first (fabric.setup(model, optimizer))"
     module_key, optimizer_key, rest = split_state(state, module)
@@ -67,10 +67,10 @@ def save(training: ShardedTraining, precision: PrecisionMath, path: Any, state: 
     checkpoint["lr_schedulers"] = []  # a Fabric loop keeps its scheduler as an entry of its own; the Trainer needs one
     checkpoint[PRECISION_KEY] = precision.state_dict()
     checkpoint["pytorch-lightning_version"] = lightning.__version__  # the Trainer migrates checkpoints by it
-    training.checkpoints.save(checkpoint, path)
+    training.save(checkpoint, path)
 
 
-def load(training: ShardedTraining, precision: PrecisionMath, path: Any, state: dict[str, Any], strict: bool,
+def load(training: Core, precision: PrecisionMath, path: Any, state: dict[str, Any], strict: bool,
          weights_only: bool | None) -> dict[str, Any]:
     """Restore the module and the optimizer in place and the other entries of `state` from the checkpoint; what the
     checkpoint holds besides, as Fabric's `load` returns it."""
@@ -100,7 +100,7 @@ def load(training: ShardedTraining, precision: PrecisionMath, path: Any, state: 
     return {key: value for key, value in checkpoint.items() if key not in RESERVED}
 
 
-def load_raw(training: ShardedTraining, path: Any, strict: bool) -> None:
+def load_raw(training: Core, path: Any, strict: bool) -> None:
     """`fabric.load_raw(path, model)`: a zoff checkpoint's weights, or whole weights as a `state_dict` file (plain, or
     Fabric's `{"model": ...}`), a .safetensors file or a Hugging Face directory (`Checkpoints.load_full_state_dict`),
     each rank reading its own rows."""
@@ -110,7 +110,7 @@ def load_raw(training: ShardedTraining, path: Any, strict: bool) -> None:
     training.load_full_state_dict(path, strict=strict)
 
 
-def take_whole_state_dicts(module: nn.Module, training: ShardedTraining) -> None:
+def take_whole_state_dicts(module: nn.Module, training: Core) -> None:
     """Make `module.load_state_dict(state_dict)` of whole tensors (what LitGPT's `load_checkpoint` does under strategies
     other than FSDP's, with Lightning's lazily loaded tensors) load them as `load_raw` does: into the fp32 masters and
     the shards, each rank its rows; torch's own loading then copies the loaded shards onto themselves. A state dict of

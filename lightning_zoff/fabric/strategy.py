@@ -37,13 +37,13 @@ from lightning_zoff._compat_lightning import (
 )
 from lightning_zoff.checks import check_accum_dtype, check_optimizers
 from lightning_zoff.config import ZoffConfig
+from lightning_zoff.contract import Core
 from lightning_zoff.doors import FrontDoor
 from lightning_zoff.fabric import checkpoints
 from lightning_zoff.fabric.precision import ZoffFabricPrecision
 from lightning_zoff.launch import ranks
 from lightning_zoff.launch.cpus import CpuLayout
 from lightning_zoff.sharding import param_names
-from lightning_zoff.training import ShardedTraining
 
 
 class ZoffFabricStrategy(FrontDoor, ParallelStrategy):
@@ -63,7 +63,7 @@ class ZoffFabricStrategy(FrontDoor, ParallelStrategy):
         self._num_nodes = 1
         self._window = _WindowControl()
         self._backward_sync_control = self._window
-        self.training: ShardedTraining | None = None  # once the ranks' places are known
+        self.training: Core | None = None  # once the ranks' places are known
         self._cpu_layout: CpuLayout | None = None
         self._steps = 0
         self._names: dict[int, str] = {}  # the set-up module's parameters' names by id, from before it was sharded

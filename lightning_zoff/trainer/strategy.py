@@ -26,6 +26,7 @@ from lightning_zoff._compat_lightning import (
 )
 from lightning_zoff.checks import ONE_OPTIMIZER, check_accum_dtype, check_optimizers
 from lightning_zoff.config import ParamInitFn, StartMethod, ZoffConfig
+from lightning_zoff.contract import Core
 from lightning_zoff.doors import FrontDoor
 from lightning_zoff.launch import ranks
 from lightning_zoff.launch.cpus import CpuLayout
@@ -33,7 +34,6 @@ from lightning_zoff.trainer.checks import check_predict_batches, check_supported
 from lightning_zoff.trainer.launchers import ZoffMultiProcessingLauncher, ZoffSubprocessScriptLauncher
 from lightning_zoff.trainer.precision import ZoffPrecision
 from lightning_zoff.trainer.schedulers import SkipAwareScheduler
-from lightning_zoff.training import ShardedTraining
 
 
 class ZoffStrategy(FrontDoor, ParallelStrategy):
@@ -77,7 +77,7 @@ class ZoffStrategy(FrontDoor, ParallelStrategy):
         self.config = ZoffConfig(**options)
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.num_nodes = 1
-        self.training: ShardedTraining | None = None  # once the ranks' places are known (setup)
+        self.training: Core | None = None  # once the ranks' places are known (setup)
         self._in_optimizer_step = False
         self._cpu_layout: CpuLayout | None = None
 
@@ -243,11 +243,11 @@ class ZoffStrategy(FrontDoor, ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        self._training().checkpoints.save(checkpoint, filepath, storage_options)
+        self._training().save(checkpoint, filepath, storage_options)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        self._training().checkpoints.remove(filepath)
+        self._training().remove(filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

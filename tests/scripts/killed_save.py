@@ -12,8 +12,8 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from helpers.resume_run import resume_fit
 from lightning_zoff.checkpoint import rank_files
-from resume_run import resume_fit
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])

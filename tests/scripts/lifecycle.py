@@ -9,7 +9,8 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 import lightning.pytorch as pl
 
 import lightning_zoff  # noqa: F401  (registers "zoff")
-from tiny import TinyModule, token_loader
+from helpers.tiny import token_loader
+from helpers.tiny_module import TinyModule
 
 
 class Predicting(TinyModule):

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from resume_run import resume_fit
+from helpers.resume_run import resume_fit
 
 out = Path(sys.argv[1])
 ckpt = sys.argv[2] if len(sys.argv) > 2 else None

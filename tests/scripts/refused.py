@@ -19,8 +19,9 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 import lightning.pytorch as pl
 import torch
 
+from helpers.tiny import token_loader
+from helpers.tiny_module import TinyModule
 from lightning_zoff import ZoffStrategy, training
-from tiny import TinyModule, token_loader
 
 TRACE = os.environ.get("REFUSED_TRACE")
 

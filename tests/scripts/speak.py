@@ -11,8 +11,9 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 
 import lightning.pytorch as pl
 
+from helpers.tiny import token_loader
+from helpers.tiny_module import TinyModule
 from lightning_zoff import ZoffStrategy
-from tiny import TinyModule, token_loader
 
 
 class WarnInEveryRank(pl.Callback):

@@ -7,8 +7,10 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 
+from helpers.tiny import token_loader
+from helpers.tiny_module import TinyModule, read_probe
+from helpers.trainer import fit
 from lightning_zoff import ZoffStrategy
-from tiny import Probe, TinyModule, read_probe, token_loader
 
 SAMPLES = 48  # 6 batches of 4 per rank and epoch: 6 optimizer steps
 
@@ -18,17 +20,12 @@ def resume_fit(out: Path, *, devices: int = 2, batch_size: int = 4, ckpt_path=No
                **strategy_kw) -> dict:
     """Fit (or resume) and return what rank 0 saw (see `Probe`)."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(7)
     module = module or TinyModule()
     strategy_kw.setdefault("start_method", "fork")
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=ZoffStrategy(**strategy_kw),
-        plugins=list(plugins), max_steps=max_steps, gradient_clip_val=0.84,
-        callbacks=[Probe(out), *callbacks], logger=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=out,
-    )
-    trainer.fit(module, token_loader(n=SAMPLES, batch_size=batch_size), ckpt_path=ckpt_path)
+    fit(module, token_loader(n=SAMPLES, batch_size=batch_size), ZoffStrategy(**strategy_kw), out=out, devices=devices,
+        max_steps=max_steps, clip=0.84, callbacks=callbacks, ckpt_path=ckpt_path, num_nodes=num_nodes,
+        plugins=list(plugins), enable_checkpointing=True)
     if num_nodes > 1:
         return {}  # each node wrote its own ranks' probes; the caller reads them once every node is done
     return {rank: read_probe(out, rank) for rank in range(devices)}

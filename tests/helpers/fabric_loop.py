@@ -1,6 +1,6 @@
 """A plain Fabric training loop over the tiny transformer, the same under zoff and under Fabric's DDP, and the same
-data for the Trainer: optimizer step `s` trains on the global batch `SAMPLES[s * GLOBAL : (s + 1) * GLOBAL]` (per
-micro-batch), split evenly among the ranks, so that a run on 2 ranks and one on 3 see the same global mean loss and
+data for the Trainer: micro-batch `i` is `tiny.micro_batch(i, ...)`, the global batch `INPUTS[i * GLOBAL : (i + 1) *
+GLOBAL]` split evenly among the ranks, so that a run on 2 ranks and one on 3 see the same global mean loss and
 gradient."""
 
 from __future__ import annotations
@@ -10,14 +10,11 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
-from tiny import TinyModule, token_loader
-
-GLOBAL = 12  # samples per micro-batch over all ranks: 2 and 3 ranks split it evenly
-INPUTS, TARGETS = token_loader(n=240).dataset.tensors
+from helpers.tiny import GLOBAL, INPUTS, TARGETS, loss_of, micro_batch
+from helpers.tiny_module import TinyModule
 
 
 class FabricTiny(TinyModule):
@@ -30,15 +27,9 @@ class FabricTiny(TinyModule):
         return self.model(x)
 
     def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.cross_entropy(self(x).float().flatten(0, 1), y.flatten())
+        loss = loss_of(self, *batch)
         self.losses.append(self.all_gather(loss.detach()).mean().item())
         return loss
-
-
-def micro_batch(index: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = slice(index * GLOBAL + rank, (index + 1) * GLOBAL, world_size)  # as Lightning's DistributedSampler deals
-    return INPUTS[rows], TARGETS[rows]
 
 
 class RankRows(Sampler):
@@ -93,7 +84,7 @@ def train(fabric: Fabric, steps: int, accumulate: int = 1, max_norm: float = 0.5
         for micro in range(accumulate):
             x, y = fabric.to_device(micro_batch(step * accumulate + micro, fabric.global_rank, fabric.world_size))
             with fabric.no_backward_sync(model, enabled=micro < accumulate - 1):
-                loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+                loss = loss_of(model, x, y)
                 fabric.backward(loss / accumulate)
             losses.append(fabric.all_gather(loss.detach()).tolist())  # every rank's
         fabric.clip_gradients(model, optimizer, max_norm=max_norm)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from tiny import DIM, SEQ, VOCAB
+from helpers.tiny import DIM, SEQ, VOCAB
 
 
 class CausalSelfAttention(nn.Module):
