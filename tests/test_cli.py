@@ -39,6 +39,12 @@ def test_fit_from_yaml_with_the_strategy_name(tmp_path):
     assert out.count("zoff ranks 0-1:") == 2
     assert "zoff rank 1" not in out
     assert "`Trainer.fit` stopped: `max_steps=3` reached." in out
+    # the main job's progress bar and quiet output: no last epoch of -1 (max_steps governs), no tips, no deprecation
+    # warnings of the libraries in any rank
+    assert re.search(r"Epoch 0[: ]", proc.stdout)
+    assert "Epoch 0/-" not in out
+    assert "💡 Tip" not in out
+    assert "LeafSpec" not in out
     config = yaml.safe_load((tmp_path / "lightning_logs" / "version_0" / "config.yaml").read_text())
     assert config["trainer"]["strategy"] == "zoff"
     assert config["trainer"]["max_steps"] == 3

@@ -4,7 +4,6 @@ the choices."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 from pathlib import Path
 
@@ -298,19 +297,6 @@ def test_synthetic_data_values_are_checked(train_script):
     with pytest.raises(ValueError, match=re.escape("data.num_samples=0: expected a positive integer")):
         train_script.build_data(compose_train("data=synthetic", "data.num_samples=0"))
     assert len(train_script.build_data(compose_train("data=synthetic", "data.num_samples=1")).train_set) == 1
-
-
-def test_the_main_job_finds_the_newest_last_checkpoint(train_script, tmp_path):
-    older, newer = (tmp_path / "outputs" / "d" / t / "checkpoints" / "last.ckpt" for t in ("12-00-00", "09-00-00"))
-    for i, path in enumerate((older, newer)):
-        path.mkdir(parents=True)
-        os.utime(path, (i, i))  # modified later, though its directory's name sorts first
-    assert train_script.find_checkpoint("last", tmp_path / "outputs") == newer
-    assert train_script.find_checkpoint(str(older), tmp_path / "outputs") == older
-    with pytest.raises(ValueError, match=r"ckpt_path=last: no checkpoints/last\.ckpt under .*elsewhere"):
-        train_script.find_checkpoint("last", tmp_path / "elsewhere")
-    with pytest.raises(ValueError, match=r"ckpt_path=nothing/here: no such file or directory"):
-        train_script.find_checkpoint("nothing/here", tmp_path)
 
 
 def test_the_bytes_per_parameter_conf_cites_are_the_plans():
