@@ -12,10 +12,12 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 from lightning_utilities.core.imports import RequirementCache
+from typing_extensions import override
 
 
 class _CountsThisRun(ProgressBar):
     @property
+    @override
     def total_train_batches(self) -> int | float:
         trainer = self.trainer
         total = trainer.num_training_batches
@@ -29,6 +31,7 @@ class _CountsThisRun(ProgressBar):
 
 
 class RichStepsBar(_CountsThisRun, RichProgressBar):
+    @override
     def _get_train_description(self, current_epoch: int) -> str:
         if self.trainer.max_epochs != -1:
             return super()._get_train_description(current_epoch)
