@@ -28,9 +28,10 @@ class ZoffCLI(LightningCLI):
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
-        given = kwargs.pop("callbacks", None) or self._get(self.config_init, "trainer", default={}).get("callbacks")
+        trainer_config = self._get(self.config_init, "trainer", default={})
+        given = kwargs.pop("callbacks", None) or trainer_config.get("callbacks")
         callbacks = [*(given if isinstance(given, list) else [given] if given else []), QuietRanks()]
-        enabled = self._get(self.config_init, "trainer", default={}).get("enable_progress_bar") is not False
+        enabled = trainer_config.get("enable_progress_bar") is not False
         if enabled and not any(isinstance(callback, ProgressBar) for callback in callbacks):
             callbacks.append(progress_bar())
         return super().instantiate_trainer(callbacks=callbacks, **kwargs)
