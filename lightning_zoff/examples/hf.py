@@ -55,6 +55,18 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, tie_word_embeddings=True,
     )),
+    # Llama-3-8B's shape: 8.03B parameters, embedding and head apart (525M each)
+    "llama3_8b": ("llama", dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 500_000.0}, tie_word_embeddings=False,
+    )),
+    # Qwen3-14B's shape: 14.77B parameters, embedding and head apart (778M each)
+    "qwen3_14b": ("qwen3", dict(
+        vocab_size=151936, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, tie_word_embeddings=False,
+    )),
 }
 
 
