@@ -145,6 +145,13 @@ def test_failure_lines():
     assert harness.outcome_of(line) == "host_oom"
     line = harness.failure_line("RuntimeError: [enforce fail] DefaultCPUAllocator: can't allocate", 1)
     assert harness.outcome_of(line) == "host_oom"
+    worker_killed = "\n".join([  # the kernel killed a DataLoader worker; the training process failed after it
+        "RuntimeError: DataLoader worker (pid 4242) is killed by signal: Killed. ",
+        "The above exception was the direct cause of the following exception:",
+        "RuntimeError: DataLoader worker (pid(s) 4242) exited unexpectedly"])
+    line = harness.failure_line(worker_killed, 1)
+    assert line.startswith("RuntimeError: DataLoader worker (pid 4242) is killed by signal: Killed")
+    assert harness.outcome_of(line) == "host_oom"
     assert harness.failure_line("", 3) == "exit code 3, nothing on stderr"
 
 
@@ -183,7 +190,8 @@ def test_cpu_run_records_model_and_gpu_memory(tmp_path):
     cap (which a CPU run records and cannot apply), and the PNG lands next to the JSON."""
     out = tmp_path / "bench.json"
     command = [sys.executable, str(SCRIPTS / "bench" / "bench.py"), "--model", "tiny", "--runs", "zoff", "--accumulate",
-               "1", "--steps", "2", "--warmup", "1", "--batch", "2", "--gpu-memory-gb", "24", "--out", str(out)]
+               "1", "--steps", "2", "--warmup", "1", "--batch", "2", "--gpu-memory-gb", "24", "--num-workers", "2",
+               "--out", str(out)]
     subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
     record = json.loads(out.read_text())
     assert list(record)[:3] == ["date", "machine", "command"]  # write_result's header, then the bench's own keys
@@ -195,6 +203,12 @@ def test_cpu_run_records_model_and_gpu_memory(tmp_path):
     assert record["gpu_memory_gb"] == 24
     assert run["exact"] is True
     assert run["batch"] == 2
+    assert (run["seq"], run["num_workers"]) == (64, 2)
+    # forked loader workers share their parent's pages: the tree's PSS counts them once, its RSS in every process
+    assert 0.1 < run["host_tree_peak_pss_gb"] < run["host_tree_peak_gb"]
+    assert run["pss_read_s"] > 0
+    assert run["plan_host_gb"] == pytest.approx(run["memory"]["host_total"] / 1e9)
+    assert run["tree_pss_within_plan_capacity"] is True
     assert run["forward_s"] > 0
     assert run["backward_s"] > 0
     assert run["step_s_median"] > 0
@@ -219,7 +233,7 @@ def test_cpu_run_records_model_and_gpu_memory(tmp_path):
 
 def test_unsupported_run_is_an_entry_without_a_process():
     args = argparse.Namespace(model="gpt1b", batch=8, gpu_memory_gb=None, zoff_option=[], layers=None,
-                              activation_checkpointing=False, clip=1.0)
+                              activation_checkpointing=False, clip=1.0, seq=None, num_workers=0)
     entry = bench.run_child(args, "deepspeed_zero2_zenflow", accumulate=4, steps=8, warmup=2)
     assert entry["outcome"] == "unsupported"
     assert "accumulate 1" in entry["error"]
@@ -227,6 +241,45 @@ def test_unsupported_run_is_an_entry_without_a_process():
     assert entry["gpu_memory_gb"] is None
     assert entry["exact"] is False
     assert entry["gradient_clip_val"] == 1.0
+
+
+def test_the_users_models_run_at_seq_4096_with_loader_workers():
+    assert {"llama3_8b", "qwen3_14b"} <= set(bench.MODEL_NAMES)
+    assert set(bench.LOADER_WORKERS) == {"llama3_8b", "qwen3_14b"}
+    assert {"zoff", "zoff_bf16_moments", "deepspeed_zero3_offload"} <= set(bench.RUNS)
+    entry = bench_runs.bench_run("deepspeed_zero3_offload", "llama3_8b", 1, 1, [], None, None, False,
+                                 num_workers=4).entry()
+    assert (entry["seq"], entry["num_workers"], entry["batch"], entry["layers"]) == (4096, 4, 1, None)
+    assert bench_deepspeed.unsupported("deepspeed_zero3_offload", 1) is None
+    assert bench_runs.bench_run("zoff", "gpt1b", 1, 8, [], None, None, False, seq=256).entry()["seq"] == 256
+
+
+def test_the_bench_data_comes_from_loader_workers():
+    import torch
+
+    from bench_data import RandomTokens
+
+    data = RandomTokens(vocab_size=50, seq=8, batch=2, length=6, num_workers=2)
+    loader = data.train_dataloader()
+    assert (loader.num_workers, loader.persistent_workers) == (2, True)
+    batches = list(loader)
+    assert len(batches) == 3
+    for x, y in batches:
+        assert x.shape == y.shape == (2, 8)
+        assert int(x.max()) < 50
+        assert torch.equal(x[:, 1:], y[:, :-1])  # y: the next tokens
+    in_process = list(RandomTokens(vocab_size=50, seq=8, batch=2, length=6).train_dataloader())
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(batches, in_process, strict=True))  # same tokens
+
+
+def test_the_plan_beside_the_tree():
+    memory = {"host_total": 80e9, "host_capacity": 110e9}
+    assert bench.plan_against_tree(memory, 1, int(95e9)) == {
+        "plan_host_gb": 80.0, "plan_host_capacity_gb": 110.0, "tree_pss_beyond_plan_gb": pytest.approx(15.0),
+        "tree_pss_within_plan_capacity": True}
+    assert bench.plan_against_tree(memory, 2, int(230e9))["tree_pss_within_plan_capacity"] is False
+    assert bench.plan_against_tree(None, 1, int(95e9)) == {}  # not zoff: no plan
+    assert set(bench.plan_against_tree(memory, 1, None)) == {"plan_host_gb", "plan_host_capacity_gb"}
 
 
 def test_the_runs_are_a_table_of_specs():
@@ -257,6 +310,7 @@ def test_the_runs_are_a_table_of_specs():
     assert (config.overlap, config.accelerator_state, config.cpu_threads, config.offload) == (False, "none", 1, True)
     assert config.activation_checkpointing_policy == {Block}
     assert bench_runs.build_run("zoff_no_offload", "tiny", {})[1].config.offload is False
+    assert bench_runs.family_of("gpt1b", seq=256)[1]["block_size"] == 256  # a GPT's position table follows
 
 
 @pytest.fixture

@@ -40,6 +40,29 @@ def test_the_sampler_sums_the_whole_tree():
     assert run.wall_s > 1.5
 
 
+# a process that holds `MB_HELD` MiB and forks a child sharing them (copy on write), as a DataLoader worker does
+FORKED = textwrap.dedent("""
+    import os, sys, time
+    held = bytearray(b"1") * (int(sys.argv[1]) * 2**20)  # one object, written: resident
+    if os.fork() == 0:
+        time.sleep(1.0)
+        os._exit(0)
+    time.sleep(1.0)
+    os.wait()
+""")
+
+
+def test_the_pss_of_a_forked_tree_counts_the_shared_pages_once():
+    run = harness.run_command([sys.executable, "-c", FORKED, str(MB_HELD)], interval_s=0.05, pss_interval_s=0.1)
+    assert run.ok
+    assert run.peak_tree_rss > 1.8 * MB_HELD * MB  # each process's RSS counts the shared pages
+    assert run.peak_tree_pss is not None
+    assert MB_HELD * MB < run.peak_tree_pss < 1.3 * MB_HELD * MB  # the sum of PSS counts them once
+    assert run.pss_read_s is not None
+    assert 0 < run.pss_read_s < 1
+    assert harness.run_command([sys.executable, "-c", "pass"]).peak_tree_pss is None  # not asked: not sampled
+
+
 def test_the_sampler_of_this_process_sees_an_allocation_in_the_block():
     with harness.RssSampler(interval_s=0.005, tree=False) as rss:
         held = b"1" * (100 * MB)
@@ -116,8 +139,10 @@ def test_model_shapes_come_from_conf_model():
     assert model_shapes.model_shape("qwen3_4b") == {"hf": "qwen3_4b", "block_size": 512}
     assert model_shapes.model_shape("tiny")["n_layer"] == 2
     assert model_shapes.conf_model("gpt_125m")["tie_weights"] is True
-    assert set(model_shapes.MODEL_NAMES) == {"gpt1b", "gpt7b", "gpt13b", "gpt30b", "qwen3_4b", "qwen3_tiny", "tiny",
-                                             "small"}
+    assert model_shapes.model_shape("llama3_8b") == {"hf": "llama3_8b", "block_size": 4096}
+    assert model_shapes.model_shape("qwen3_14b") == {"hf": "qwen3_14b", "block_size": 4096}
+    assert set(model_shapes.MODEL_NAMES) == {"gpt1b", "gpt7b", "gpt13b", "gpt30b", "qwen3_4b", "llama3_8b", "qwen3_14b",
+                                             "qwen3_tiny", "tiny", "small"}
 
 
 def test_options_are_python_literals_or_strings():

@@ -7,6 +7,7 @@
     python scripts/bench/bench.py --model gpt7b --batch 1 --accumulate 1 --gpu-memory-gb 24   # as on a 24 GB GPU
     python scripts/bench/bench.py --model qwen3_4b --runs zoff deepspeed_zero3_offload --accumulate 1 \
         --zoff-option overlap=False
+    python scripts/bench/bench.py --model llama3_8b --batch 1 --runs zoff deepspeed_zero3_offload --accumulate 1
     python scripts/bench/bench.py --model qwen3_tiny --runs zoff --accumulate 1 --steps 2 --warmup 1   # CPU smoke test
     python scripts/bench/bench.py --plot bench/results/2026-12-02_h200x1_gpt13b_b4_zoff.json   # draw a JSON's PNG again
 
@@ -27,6 +28,10 @@ first, then a bisection of the others finds the interval's low end (5 tries at m
 memory goes up, one that runs the host out goes down, any other failure ends the search). The ratio found then runs
 the whole measurement. One value in --ratios skips the search.
 
+Every run trains on random token ids of the model's vocabulary, `--batch` x `--seq` (default: the model's block_size)
+a batch, from a torch DataLoader with `--num-workers` loader processes (persistent; default 4 for llama3_8b and
+qwen3_14b, the users' models at seq 4096, else 0: batches made in the training process; bench_data.py).
+
 `--gpu-memory-gb N` emulates a smaller GPU: each run's process caps torch's allocator at N GiB
 (`torch.cuda.set_per_process_memory_fraction`) before anything is built. The CUDA context, NCCL's and DeepSpeed's own
 buffers outside torch's allocator are not counted, and `torch.cuda.mem_get_info` still reports the whole GPU.
@@ -34,9 +39,10 @@ buffers outside torch's allocator are not counted, and `torch.cuda.mem_get_info`
 Prints a table and writes bench/results/<date>_<machine>_bench_<model>.json (results.write_result; bench/README.md
 collects them) and the same name with .png (bench_plot.py: each run's step split into forward, backward and exposed
 optimizer time; peak GPU and host memory): {"date", "machine", "command", "gpu_memory_gb", "runs": [{"name", "model",
-"accumulate", "batch", "gpu_memory_gb" (null: uncapped), "exact" (false: not AdamW's update of every parameter at
-every step, e.g. ZenFlow, bf16 moments), "step_s_median", "step_s_mean", "tokens_per_s", "forward_s", "backward_s",
-"exposed_optimizer_s", "peak_gpu_gb", "host_gb", "host_tree_peak_gb", "params", "vs_gpu_only",
+"accumulate", "batch", "seq", "num_workers", "gpu_memory_gb" (null: uncapped), "exact" (false: not AdamW's update of
+every parameter at every step, e.g. ZenFlow, bf16 moments), "step_s_median", "step_s_mean", "tokens_per_s",
+"forward_s", "backward_s", "exposed_optimizer_s", "peak_gpu_gb", "host_gb", "host_tree_peak_gb",
+"host_tree_peak_pss_gb", "setup_s" (the process's start to its first step), "params", "vs_gpu_only",
 "vs_best_exact_deepspeed", ...}, ...]}. DeepSpeed runs add "deepspeed_config" (the dict DeepSpeed got), the ratio run
 "ratio" and "ratio_tries" (each try's ratio, outcome and error). A run that fails keeps its entry, with "error" (the
 failure's last meaningful line), "outcome" ("gpu_oom",
@@ -48,7 +54,13 @@ that waited for an overlapped update. "forward_s" (batch start to the loss) and 
 on_after_backward) are summed over the window's micro-batches, timed by CUDA events on the current stream (zoff: its
 own telemetry, which moves those waits out of the forward). "host_tree_peak_gb" is the peak resident memory of the
 run's whole process tree, sampled every 0.5 s (ZenFlow updates in a process of its own; pinned and shared memory count
-in every process that maps it); "host_gb" is rank 0's own peak.
+in every process that maps it, a forked loader worker its parent's pages too); "host_tree_peak_pss_gb" is the peak of
+the tree's summed PSS (each shared page once: the honest figure of a tree with loader workers), sampled every 2 s
+("pss_read_s": the longest pass, which the bench's own process spends walking the tree's page tables); "host_gb" is
+rank 0's own peak. zoff runs add the plan's host figures (its memory report, in "memory"): "plan_host_gb" (the host
+state it planned), "plan_host_capacity_gb" (what it may hold: the host's available memory less a reserve for the rest
+of the process), "tree_pss_beyond_plan_gb" (what the tree held besides: Python, CUDA, loader workers, ...) and
+"tree_pss_within_plan_capacity".
 """
 
 from __future__ import annotations
@@ -67,27 +79,50 @@ from harness import RunFailure, outcome_of, run_function
 from model_shapes import MODEL_NAMES
 from results import describe, machine, result_path, write_result
 
+# the models a user's job feeds through loader processes (seq 4096): --num-workers' default; 0 for the others
+LOADER_WORKERS = {"llama3_8b": 4, "qwen3_14b": 4}
+# a PSS pass walks the page tables of every process of the tree (about 10 ms per resident GB each), in the bench's
+# own process: seconds apart, and each entry's "pss_read_s" says how long the longest took
+PSS_INTERVAL_S = 2.0
+
+
+def plan_against_tree(memory: dict | None, devices: int, tree_pss: int | None) -> dict:
+    """A zoff run's host plan (rank 0's memory report; the node's ranks hold equal shares) beside its tree's measured
+    peak PSS: what zoff planned to hold, what it may hold (the host's available memory less a reserve for the rest of
+    each process), and whether the whole tree stayed within the latter."""
+    if not memory or "host_total" not in memory:
+        return {}
+    planned, capacity = devices * memory["host_total"], devices * memory["host_capacity"]
+    figures = {"plan_host_gb": planned / 1e9, "plan_host_capacity_gb": capacity / 1e9}
+    if tree_pss:
+        figures |= {"tree_pss_beyond_plan_gb": (tree_pss - planned) / 1e9,
+                    "tree_pss_within_plan_capacity": tree_pss <= capacity}
+    return figures
+
 
 def run_child(args: argparse.Namespace, name: str, accumulate: int, steps: int, warmup: int,
               ratio: float | None = None) -> dict:
     """One run in a process of its own (CUDA, DeepSpeed's globals and the host memory start fresh each time): its
     result, or its entry with "error", "outcome" and the tail of its stderr."""
     run = bench_run(name, args.model, accumulate, args.batch, args.zoff_option, args.gpu_memory_gb, args.layers,
-                    args.activation_checkpointing, ratio, args.clip)
+                    args.activation_checkpointing, ratio, args.clip, args.seq, args.num_workers)
     refusal = unsupported(name, accumulate)
     if refusal:
         return run.entry(**RunFailure(refusal, "unsupported").fields())
     kwargs = dict(name=name, model_name=args.model, accumulate=accumulate, steps=steps, warmup=warmup,
                   batch=args.batch, devices=args.devices, zoff_option=args.zoff_option, ratio=ratio,
                   gpu_memory_gb=args.gpu_memory_gb, layers=args.layers, checkpointing=args.activation_checkpointing,
-                  clip=args.clip)
-    child = run_function(run_one, kwargs, output="capture", timeout_s=args.run_timeout_s)
-    host = {"host_tree_peak_gb": child.peak_tree_rss / 1e9, "wall_s": child.wall_s}
+                  clip=args.clip, seq=args.seq, num_workers=args.num_workers)
+    child = run_function(run_one, kwargs, output="capture", timeout_s=args.run_timeout_s,
+                         pss_interval_s=PSS_INTERVAL_S)
+    pss = child.peak_tree_pss or None  # 0: the run ended before the first pass
+    host = {"host_tree_peak_gb": child.peak_tree_rss / 1e9, "host_tree_peak_pss_gb": pss / 1e9 if pss else None,
+            "pss_read_s": child.pss_read_s, "wall_s": child.wall_s}
     if child.ok and 0 in child.results:  # rank 0's: the other ranks measured their own share
         measured = child.results[0]
         if "reported_at" in measured:  # the process's end after its measurement: teardown and exit
             host["exit_s"] = child.ended_at - measured["reported_at"]
-        return {**measured, **host}
+        return {**measured, **host, **plan_against_tree(measured.get("memory"), args.devices, pss)}
     error = child.failure()
     return run.entry(**RunFailure(error, outcome_of(error), child.stderr[-2000:]).fields(), **host)
 
@@ -138,7 +173,7 @@ def run_with_ratio_search(args: argparse.Namespace, name: str, accumulate: int) 
     if best is None:
         last = tries[-1] if tries else {"error": "no ratio tried", "outcome": "error"}
         run = bench_run(name, args.model, accumulate, args.batch, args.zoff_option, args.gpu_memory_gb, args.layers,
-                        args.activation_checkpointing, clip=args.clip)
+                        args.activation_checkpointing, clip=args.clip, seq=args.seq, num_workers=args.num_workers)
         failure = RunFailure(f"no ratio in {ratios} fits: {last['error']}", last["outcome"])
         return run.entry(ratio=None, ratio_tries=tries, **failure.fields())
     for ratio in ratios[ratios.index(best):]:
@@ -187,6 +222,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8, help="per device")
+    parser.add_argument("--seq", type=int, default=None, help="tokens a sequence (default: the model's block_size)")
+    parser.add_argument("--num-workers", type=int, default=None, metavar="N",
+                        help="the training DataLoader's worker processes (default: 4 for "
+                             f"{', '.join(LOADER_WORKERS)}, else 0: batches made in the training process)")
     parser.add_argument("--devices", type=int, default=1, help="GPUs per run (ranks of one node)")
     parser.add_argument("--zoff-option", action="append", default=[], metavar="KEY=VALUE",
                         help="a ZoffStrategy option for the zoff runs, e.g. overlap=False (repeatable)")
@@ -204,6 +243,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None, metavar="JSON", help="only draw this JSON's PNG again")
     args = parser.parse_args()
+    if args.num_workers is None:
+        args.num_workers = LOADER_WORKERS.get(args.model, 0)
     if args.plot:
         plot(json.loads(args.plot.read_text()), args.plot)
         return

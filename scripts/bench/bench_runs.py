@@ -59,28 +59,33 @@ def inexact_because(name: str, zoff_options: dict) -> str | None:
     return None
 
 
-def model_spec(model_name: str, layers: int | None = None) -> dict:
-    """The model's shape, with `layers` blocks instead of its own if given (GPTs only)."""
+def model_spec(model_name: str, layers: int | None = None, seq: int | None = None) -> dict:
+    """The model's shape, with `layers` blocks instead of its own if given (GPTs only) and `seq` as its sequence
+    length (`block_size`: a GPT's position table, a Hugging Face preset's batches)."""
     spec = model_shape(model_name)
     if layers is not None:
         if "hf" in spec:
             raise SystemExit(f"--layers: {model_name} is a Hugging Face preset; choose a GPT shape")
         spec["n_layer"] = layers
+    if seq is not None:
+        spec["block_size"] = seq
     return spec
 
 
 def bench_run(name: str, model_name: str, accumulate: int, batch: int, zoff_option: list[str],
               gpu_memory_gb: float | None, layers: int | None, checkpointing: bool,
-              ratio: float | None = None, clip: float | None = 1.0) -> BenchRun:
+              ratio: float | None = None, clip: float | None = 1.0, seq: int | None = None,
+              num_workers: int = 0) -> BenchRun:
     exact = inexact_because(name, parse_options(zoff_option)) is None
-    return BenchRun(name=name, model=model_name, layers=model_spec(model_name, layers).get("n_layer"),
-                    activation_checkpointing=checkpointing, accumulate=accumulate, batch=batch,
+    spec = model_spec(model_name, layers, seq)
+    return BenchRun(name=name, model=model_name, layers=spec.get("n_layer"), activation_checkpointing=checkpointing,
+                    accumulate=accumulate, batch=batch, seq=spec["block_size"], num_workers=num_workers,
                     gpu_memory_gb=gpu_memory_gb, exact=exact, gradient_clip_val=clip, ratio=ratio)
 
 
-def family_of(model_name: str, layers: int | None = None) -> tuple[type, dict[str, Any]]:
+def family_of(model_name: str, layers: int | None = None, seq: int | None = None) -> tuple[type, dict[str, Any]]:
     """The LightningModule class of the model and its keyword arguments."""
-    spec = model_spec(model_name, layers)
+    spec = model_spec(model_name, layers, seq)
     if "hf" in spec:
         from lightning_zoff.examples.hf import HFCausalLM
 
@@ -103,13 +108,13 @@ def zoff_run_options(name: str, zoff_options: dict, model_name: str, layers: int
     return options
 
 
-def fabric_parts(model_name: str, zoff_options: dict, layers: int | None,
-                 checkpointing: bool) -> tuple[type, dict[str, Any], dict[str, Any]]:
+def fabric_parts(model_name: str, zoff_options: dict, layers: int | None, checkpointing: bool,
+                 seq: int | None = None) -> tuple[type, dict[str, Any], dict[str, Any]]:
     """The Fabric run's module class and arguments (GPT shapes: its loop calls `model(x, y)` for the loss) and zoff
     options."""
     if "hf" in model_spec(model_name, layers):
         raise SystemExit(f"--runs {FABRIC_RUN}: GPT shapes only")
-    family, kwargs = family_of(model_name, layers)
+    family, kwargs = family_of(model_name, layers, seq)
     return family, kwargs, zoff_run_options(FABRIC_RUN, zoff_options, model_name, layers, checkpointing)
 
 
@@ -124,9 +129,10 @@ class RunSetting:
     ratio: float | None = None  # deepspeed_zero3_offload_ratio's offload_optimizer.ratio
     layers: int | None = None
     checkpointing: bool = False
+    seq: int | None = None  # None: the model's own sequence length
 
     def family(self) -> tuple[type, dict[str, Any]]:
-        return family_of(self.model_name, self.layers)
+        return family_of(self.model_name, self.layers, self.seq)
 
 
 @dataclass(frozen=True)
@@ -229,11 +235,12 @@ RUN_SPECS: dict[str, RunSpec] = {
 
 
 def build_run(name: str, model_name: str, zoff_options: dict, accumulate: int = 1, ratio: float | None = None,
-              layers: int | None = None, checkpointing: bool = False) -> tuple[Callable[[Any], Any], Any, str]:
+              layers: int | None = None, checkpointing: bool = False,
+              seq: int | None = None) -> tuple[Callable[[Any], Any], Any, str]:
     """(module factory taking the Trainer, strategy, precision) of run `name` (`RUN_SPECS`). With `checkpointing`,
     zoff recomputes each block's activations in backward (its activation_checkpointing_policy); the other runs are
     built as they are (their limit at this size is host memory, which activations do not touch)."""
-    run = RunSetting(name, model_name, zoff_options, accumulate, ratio, layers, checkpointing)
+    run = RunSetting(name, model_name, zoff_options, accumulate, ratio, layers, checkpointing, seq)
     spec = RUN_SPECS[name]
     return functools.partial(spec.module, run), spec.strategy(run), spec.precision
 
@@ -283,36 +290,38 @@ def host_floor(strategy: Any, telemetry: dict[str, float], step_s: float) -> dic
 
 def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int, batch: int, devices: int,
             zoff_option: list[str], ratio: float | None = None, gpu_memory_gb: float | None = None,
-            layers: int | None = None, checkpointing: bool = False, clip: float | None = 1.0) -> dict:
-    """Train run `name` for `warmup` + `steps` optimizer steps and measure it: this rank's entry of bench.py's JSON."""
+            layers: int | None = None, checkpointing: bool = False, clip: float | None = 1.0, seq: int | None = None,
+            num_workers: int = 0) -> dict:
+    """Train run `name` for `warmup` + `steps` optimizer steps on random tokens (`num_workers` loader processes) and
+    measure it: this rank's entry of bench.py's JSON."""
     import lightning.pytorch as pl
     import torch
 
     import lightning_zoff  # noqa: F401
-    from lightning_zoff.examples.corpus import SyntheticDataModule
+    from bench_data import RandomTokens
     from recorders import WindowTimer
 
     cap_gpu_memory(gpu_memory_gb)
     zoff_options = parse_options(zoff_option)
-    cfg = model_spec(model_name, layers)
+    cfg = model_spec(model_name, layers, seq)
     if "hf" in cfg:
         from lightning_zoff.examples.hf import hf_config
 
         cfg = {**cfg, "vocab_size": hf_config(cfg["hf"]).vocab_size}
     pl.seed_everything(0)
-    data = SyntheticDataModule(vocab_size=cfg["vocab_size"], block_size=cfg["block_size"], batch_size=batch,
-                               num_samples=devices * (batch * accumulate * (steps + warmup) + batch))
+    data = RandomTokens(vocab_size=cfg["vocab_size"], seq=cfg["block_size"], batch=batch,
+                        length=devices * (batch * accumulate * (steps + warmup) + batch), num_workers=num_workers)
     run = bench_run(name, model_name, accumulate, batch, zoff_option, gpu_memory_gb, layers, checkpointing, ratio,
-                    clip)
+                    clip, seq, num_workers)
     if name == FABRIC_RUN:
         from bench_fabric import run_fabric
 
-        family, model_kwargs, options = fabric_parts(model_name, zoff_options, layers, checkpointing)
+        family, model_kwargs, options = fabric_parts(model_name, zoff_options, layers, checkpointing, seq)
         return run_fabric(run, family, model_kwargs, ADAMW, options, data, accumulate=accumulate, steps=steps,
                           warmup=warmup, batch=batch, devices=devices, block_size=cfg["block_size"],
                           zoff_options=zoff_options, inexact_because=inexact_because(name, zoff_options), clip=clip)
     build_module, strategy, precision = build_run(name, model_name, zoff_options, accumulate, ratio, layers,
-                                                  checkpointing)
+                                                  checkpointing, seq)
     # DeepSpeed counts every micro-batch as an optimizer step (Lightning calls its step after each)
     steps_per_window = accumulate if getattr(strategy, "handles_gradient_accumulation", False) else 1
     timer = WindowTimer(accumulate)

@@ -127,6 +127,34 @@ for stage in "$@"; do
         name=$(echo $run | tr -dc 'a-z_ -' | tr ' -' '__' | sed 's/__*/_/g')
         timeout ${LITGPT_TIMEOUT:-200} $l --strategy $run --json "$OUT/litgpt_llama32_1b_$name.json" 2>&1 | grep -v "^INFO" | tail -3 | tee -a "$OUT/litgpt_1b.txt"
       done ;;
+    users_launch)  # what users launch: Llama-3-8B's and Qwen3-14B's shapes at seq 4096, 4 loader workers (needs .whl
+      # with transformers and DeepSpeed). Parts in $USERS_PARTS (default all, in this order), $USERS_STEPS measured steps
+      # (default 20; 3 for a smoke run), within $USERS_BUDGET seconds (default 585: one device call): a part's runs get
+      # its own limit or what is left, so a run the budget cuts is recorded as timed out; a part with < 60 s left is
+      # skipped, and says so. At 20 steps all four take about 12 minutes: two calls, USERS_PARTS="llama_b1 llama_b4"
+      # then USERS_PARTS="qwen14b deepspeed".
+      steps=${USERS_STEPS:-20}
+      users() {  # MODEL BATCH STEPS WARMUP RUN_LIMIT_S RUNS...: one bench call, results named by model, batch and runs
+        local model=$1 batch=$2 n=$3 warmup=$4 limit=$5; shift 5
+        local name="users_${model}_b${batch}_$(echo "$@" | tr ' ' '_')" left=$(( ${USERS_BUDGET:-585} - SECONDS ))
+        if [ $left -lt 60 ]; then echo "$name: skipped, $left s left of USERS_BUDGET" | tee -a "$OUT/users_launch.txt"; return; fi
+        [ $limit -gt $(( left - 20 )) ] && limit=$(( left - 20 ))
+        timeout $left python3 scripts/bench/bench.py --model $model --batch $batch --seq 4096 --num-workers 4 \
+            --accumulate 1 --steps $n --warmup $warmup --runs "$@" --run-timeout-s $limit --out "$OUT/$name.json" 2>&1 \
+            | grep -v "^INFO" | tail -5 | tee -a "$OUT/users_launch.txt"
+      }
+      # limits: setup (8B ~80 s, 14B ~140 s) plus every step at a generous bound, plus the exit
+      for part in ${USERS_PARTS:-llama_b1 llama_b4 qwen14b deepspeed}; do
+        case $part in
+          llama_b1) users llama3_8b 1 $steps 2 $(( 150 + (steps + 2) * 6 )) zoff ;;
+          llama_b4) users llama3_8b 4 $steps 2 $(( 150 + (steps + 2) * 10 )) zoff ;;
+          # fp32 moments: 207 GB of host state, refused at setup by the plan in one line; bf16 moments: 148 GB
+          qwen14b) users qwen3_14b 1 $steps 2 $(( 240 + (steps + 2) * 12 )) zoff zoff_bf16_moments ;;
+          # DeepSpeedCPUAdam's fp32 state for 8B on a 128 GB host: expected to die of host memory (outcome host_oom)
+          deepspeed) users llama3_8b 1 2 1 400 deepspeed_zero3_offload ;;
+          *) echo "users_launch: unknown part $part (llama_b1 llama_b4 qwen14b deepspeed)" ;;
+        esac
+      done ;;
     *) echo "unknown stage $stage: see the stages of scripts/device/gpu_checks.sh"; exit 2 ;;
   esac
 done

@@ -73,26 +73,49 @@ class RssSampler:
     """The resident memory of process `pid` (default: this one) and, with `tree`, of all its descendants, summed, read
     by a thread every `interval_s` while the block runs: `before` (at entry), `peak`, `after` (at exit) in bytes, each
     process's own peak in `peak_by_pid`, and the block's `seconds`. Pinned and shared memory count in every process
-    that maps it; a process that has ended counts 0."""
+    that maps it (a forked DataLoader worker counts its parent's pages again); a process that has ended counts 0.
 
-    def __init__(self, pid: int | None = None, interval_s: float = 0.5, tree: bool = True) -> None:
+    With `pss_interval_s`, a second thread sums the tree's proportional set size (PSS: a page shared by n processes
+    counts 1/n in each, so the sum counts it once) every `pss_interval_s`: `peak_pss`, and `pss_read_s`, the longest
+    pass. A pass reads /proc/PID/smaps_rollup, which walks each process's page tables (about 10 ms per GB resident
+    here), hence its own, slower thread."""
+
+    def __init__(self, pid: int | None = None, interval_s: float = 0.5, tree: bool = True,
+                 pss_interval_s: float | None = None) -> None:
         self.pid, self.interval_s, self.tree = os.getpid() if pid is None else pid, interval_s, tree
+        self.pss_interval_s = pss_interval_s
         self.before = self.peak = self.after = 0
+        self.peak_pss, self.pss_read_s = 0, 0.0
         self.peak_by_pid: dict[int, int] = {}
         self.seconds = 0.0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample_until_stopped, name="harness-rss", daemon=True)
+        self._threads = [threading.Thread(target=self._sample_until_stopped, name="harness-rss", daemon=True)]
+        if pss_interval_s is not None:
+            self._threads.append(threading.Thread(target=self._sample_pss_until_stopped, name="harness-pss",
+                                                  daemon=True))
         self._started = 0.0
+
+    def _members(self) -> list[psutil.Process]:
+        try:
+            root = psutil.Process(self.pid)
+            return [root, *root.children(recursive=True)] if self.tree else [root]
+        except psutil.Error:
+            return []
+
+    def sample_pss(self) -> int:
+        """The proportional set size now, summed over the process (and its tree)."""
+        started, total = time.perf_counter(), 0
+        for member in self._members():
+            with contextlib.suppress(psutil.Error):
+                total += member.memory_full_info().pss
+        self.pss_read_s = max(self.pss_read_s, time.perf_counter() - started)
+        self.peak_pss = max(self.peak_pss, total)
+        return total
 
     def sample(self) -> int:
         """The memory now, summed over the process (and its tree)."""
-        try:
-            root = psutil.Process(self.pid)
-            members = [root, *root.children(recursive=True)] if self.tree else [root]
-        except psutil.Error:
-            return 0
         total = 0
-        for member in members:
+        for member in self._members():
             try:
                 rss = member.memory_info().rss
             except psutil.Error:
@@ -106,16 +129,23 @@ class RssSampler:
         while not self._stop.wait(self.interval_s):
             self.sample()
 
+    def _sample_pss_until_stopped(self) -> None:
+        assert self.pss_interval_s is not None
+        while not self._stop.wait(self.pss_interval_s):
+            self.sample_pss()
+
     def __enter__(self) -> RssSampler:
         self._started = time.perf_counter()
         self.before = self.sample()
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.seconds = time.perf_counter() - self._started
         self._stop.set()
-        self._thread.join()
+        for thread in self._threads:
+            thread.join()
         self.after = self.sample()
 
 
@@ -136,13 +166,16 @@ def kill_tree(pid: int) -> None:
 # the line of a traceback that names the exception: "torch.OutOfMemoryError: CUDA out of memory. ...",
 # "RuntimeError: ...", "AssertionError"
 EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Exit|Interrupt)\b(:|$)")
+# lines that name the cause, whatever failed after it: the GPU out of memory, a DataLoader worker the kernel killed
+# (the training process then fails with "DataLoader worker (pid(s) ...) exited unexpectedly")
+CAUSE_LINES = ("CUDA out of memory", "is killed by signal: Killed")
 
 
 def failure_line(stderr: str, returncode: int) -> str:
-    """The last meaningful line of a failed run: its out-of-memory message (the cause, whatever failed after it), else
-    its last exception line, else how it ended."""
+    """The last meaningful line of a failed run: its cause (`CAUSE_LINES`), else its last exception line, else how it
+    ended."""
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    line = next((line for line in reversed(lines) if "CUDA out of memory" in line), None)
+    line = next((line for line in reversed(lines) if any(cause in line for cause in CAUSE_LINES)), None)
     line = line or next((line for line in reversed(lines) if EXCEPTION_LINE.match(line)), None)
     if line is None and returncode < 0:
         line = f"killed by {signal.Signals(-returncode).name}"
@@ -157,7 +190,8 @@ def outcome_of(error: str) -> str:
     """"gpu_oom", "host_oom", "timeout" or "error" for a failure_line."""
     if "CUDA out of memory" in error:
         return "gpu_oom"
-    if "DefaultCPUAllocator" in error or "can't allocate memory" in error or "SIGKILL" in error:
+    # a DataLoader worker the kernel killed: the training process raises "... is killed by signal: Killed."
+    if any(sign in error for sign in ("DefaultCPUAllocator", "can't allocate memory", "SIGKILL", "signal: Killed")):
         return "host_oom"
     if error.startswith("timed out"):
         return "timeout"
@@ -188,6 +222,8 @@ class ChildRun:
     ended_at: float  # the epoch time the process was seen to end (its exit's cost: this less its last report's time)
     peak_tree_rss: int  # bytes, the tree's sum; 0 if it ended before the first sample
     peak_rss_by_pid: dict[int, int]
+    peak_tree_pss: int | None  # bytes, the tree's PSS summed (shared pages once); None unless sampled
+    pss_read_s: float | None  # the longest PSS pass over the tree
     results: dict[int, Any]  # what each rank reported, by rank
     stdout: str  # "capture": all of it; "echo": the last lines of stdout and stderr; "inherit": ""
     stderr: str  # "capture" only
@@ -212,8 +248,9 @@ class ChildRun:
 
 def run_command(command: list[str], *, output: Output = "inherit", timeout_s: float | None = None,
                 env: dict[str, str] | None = None, cwd: str | Path | None = None,
-                interval_s: float = 0.5) -> ChildRun:
-    """Run `command` to its end, sampling its tree's memory every `interval_s`; past `timeout_s` the tree is killed.
+                interval_s: float = 0.5, pss_interval_s: float | None = None) -> ChildRun:
+    """Run `command` to its end, sampling its tree's memory every `interval_s` (and its PSS every `pss_interval_s`,
+    see RssSampler); past `timeout_s` the tree is killed.
     With output="echo" it returns once every process holding the output pipe has exited (a run's other ranks are
     children of the first and share it)."""
     env = {**(os.environ if env is None else env)}
@@ -235,7 +272,7 @@ def run_command(command: list[str], *, output: Output = "inherit", timeout_s: fl
             kill_tree(proc.pid)
 
         timer = threading.Timer(timeout_s, kill) if timeout_s is not None else None
-        with RssSampler(proc.pid, interval_s) as rss:
+        with RssSampler(proc.pid, interval_s, pss_interval_s=pss_interval_s) as rss:
             if timer is not None:
                 timer.start()
             if output == "echo":
@@ -258,6 +295,8 @@ def run_command(command: list[str], *, output: Output = "inherit", timeout_s: fl
     return ChildRun(command=list(command), output=output, returncode=proc.returncode, timeout_s=timeout_s,
                     timed_out=killed.is_set(), wall_s=wall_s, ended_at=ended_at, peak_tree_rss=rss.peak,
                     peak_rss_by_pid=rss.peak_by_pid,
+                    peak_tree_pss=rss.peak_pss if pss_interval_s is not None else None,
+                    pss_read_s=rss.pss_read_s if pss_interval_s is not None else None,
                     results=dict(sorted(reported.items())), stdout=stdout, stderr=stderr)
 
 
@@ -330,6 +369,8 @@ class BenchRun:
     activation_checkpointing: bool
     accumulate: int
     batch: int  # per device
+    seq: int  # tokens a sequence
+    num_workers: int  # the training DataLoader's worker processes (0: batches made in the training process)
     gpu_memory_gb: float | None  # the cap on torch's allocator; None: uncapped
     exact: bool  # AdamW's update of every parameter at every step in fp32 state
     gradient_clip_val: float | None  # the Trainer's (norm); None: not clipped
