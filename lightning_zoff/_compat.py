@@ -15,7 +15,8 @@ from torch.distributed.utils import _apply_to_tensors
 __all__ = [
     "all_gather_streams", "apply_to_tensors", "before_reduce", "checkpoint_activations_of", "dcp_data_extents",
     "direct_tensors", "fsdp_param_group", "fused_adam_step", "hf_init_weights", "init_as_root", "is_view",
-    "replace_direct_tensor", "restore_post_backward", "unit_modules", "unit_params",
+    "recomputes_activations", "replace_direct_tensor", "restore_post_backward", "set_recompute", "unit_modules",
+    "unit_params",
 ]
 
 
@@ -34,11 +35,39 @@ def replace_direct_tensor(module: nn.Module, kind: str, name: str, tensor: torch
     (module._parameters if kind == "param" else module._buffers)[name] = tensor  # type: ignore[assignment]
 
 
-def checkpoint_activations_of(module: nn.Module) -> None:
-    """torch's composable activation checkpointing on `module`: hooks on the module itself, no wrapper."""
+def checkpoint_activations_of(module: nn.Module, *, recompute: bool = True) -> bool:
+    """torch's composable activation checkpointing on `module`: hooks on the module itself, no wrapper. `recompute`
+    False installs it switched off (`set_recompute` switches it on later); whether it was installed: not switched off
+    where this torch has no switch (it would recompute from the start, and cost what "auto" did not choose)."""
     from torch.distributed._composable import checkpoint  # imported on use, as only that option needs it
 
+    if not recompute and not _checkpoint_has_switch():
+        return False
     checkpoint(module)
+    set_recompute(module, recompute)
+    return True
+
+
+def set_recompute(module: nn.Module, on: bool) -> None:
+    """Switch the activation checkpointing `checkpoint_activations_of` installed on `module` on or off. Its hooks read
+    the flag at each forward (torch 2.11 to 2.13 alike), so switched off they only read it: nothing else changes."""
+    from torch.distributed._composable import checkpoint
+
+    checkpoint.state(module).enable_hook = on
+
+
+def recomputes_activations(module: nn.Module) -> bool:
+    """Whether `module`'s activations are recomputed in backward: torch's composable checkpointing is on it, switched
+    on (torch switches it off itself while it recomputes)."""
+    from torch.distributed._composable import checkpoint
+
+    return bool(getattr(checkpoint.state(module), "enable_hook", False))
+
+
+def _checkpoint_has_switch() -> bool:
+    from torch.distributed._composable import checkpoint_activation
+
+    return hasattr(getattr(checkpoint_activation, "_CheckpointState", None), "enable_hook")
 
 
 def dcp_data_extents(metadata: Any) -> dict[str, int]:
@@ -168,15 +197,37 @@ def expandable_cuda_segments() -> bool:
 
 
 def finish_failed_backward(module: nn.Module) -> None:
-    """After a forward or backward that raised: run FSDP2's end-of-backward callback if a backward queued it and never
-    reached it (each unit's training state back to idle, pending reductions done), then reshard every unit, so the
-    next forward starts as after a finished step."""
+    """After a forward or backward that raised: every unit idle and resharded, and FSDP2's record of the step (the
+    forward's root, the order backward prefetches in, all-gathers not yet waited for) forgotten, so the next forward
+    starts as after a finished step. A backward's end-of-backward callback that never ran runs (pending reductions
+    done); a forward that never reached its end gets the same callback, which finishes every unit as a backward would
+    (nothing to reduce: no gradient exists). torch 2.13's `FSDPModule.reset_iter_state` does this too, but 2.11 has
+    none: one path for both, the one the CPU tests run."""
     from torch.distributed.fsdp import FSDPModule
 
     units = [m for m in module.modules() if isinstance(m, FSDPModule)]
     if units:
         state = units[0]._get_fsdp_state()  # every unit shares the root's context (`sharding.share_one_root`)
-        if state._state_ctx.post_backward_final_callback_queued:
+        context = state._state_ctx
+        forward_failed = context.iter_forward_root is not None
+        if forward_failed:
+            for unit_state in context.all_states:  # modules of a group the failed forward did not reach: no warning
+                getattr(unit_state, "_modules_to_run_forward", set()).clear()
+        if context.post_backward_final_callback_queued or forward_failed:
             state._root_post_backward_final_callback()
+        context.iter_forward_root = None  # else the next forward skips its root's pre-forward (streams' waits)
+        _free_last_all_gather(state)
     for unit in units:
         unit.reshard()
+
+
+def _free_last_all_gather(state: Any) -> None:
+    """The all-gather FSDP2 keeps until the forward's root ends (its memory is freed once the streams pass it)."""
+    comm = state._comm_ctx
+    gathered = getattr(comm, "all_gather_state", None)
+    if gathered is None:
+        return
+    if gathered.event is not None:
+        for stream in (comm.all_gather_copy_in_stream, comm.all_gather_stream):
+            stream.wait_event(gathered.event)
+    comm.all_gather_state = None

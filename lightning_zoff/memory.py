@@ -30,7 +30,7 @@ from lightning_zoff.offload import (
     plan_memory,
     size,
 )
-from lightning_zoff.sharding import unit_shapes_before_sharding
+from lightning_zoff.sharding import block_classes, recompute_activations, unit_shapes_before_sharding
 from lightning_zoff.units import Unit, forward_order
 
 log = logging.getLogger("lightning_zoff")
@@ -78,7 +78,7 @@ class Memory:
             return set(config.activation_checkpointing_policy)
         if accelerator_holds_all(plan):
             return set()
-        blocks = {type(unit.module) for unit in units if unit.is_block}
+        blocks = block_classes(units)
         names = ", ".join(sorted(c.__name__ for c in blocks))
         self._say(f"recomputing {names} activations ('auto'): state {self._all_state(plan) / 1e9:.1f} GB + model"
                   f" {plan.model_bytes / 1e9:.1f} GB > GPU {(plan.machine.accelerator_capacity or 0) / 1e9:.1f} GB")
@@ -134,21 +134,29 @@ class Memory:
         g = self.group
         log_for_node(line, g.global_rank, g.local_rank, g.ranks_on_node)
 
-    def make_room_after_oom(self, engine: OffloadEngine, module: nn.Module) -> bool:
+    def make_room_after_oom(self, engine: OffloadEngine, module: nn.Module, recomputable: list[nn.Module]) -> bool:
         """A step ran the accelerator out of memory before its decision: forget its gradients and move state back to the
-        host where it has room, so the same batch can run again (nothing was applied: the result is exact). Whether
-        anything moved; "auto" moves nothing there again."""
+        host where it has room, or else switch on the recompute "auto" installed switched off on the `recomputable`
+        blocks, so the same batch can run again (nothing was applied: the result is exact). Whether either happened;
+        "auto" moves nothing there again after a move."""
         finish_failed_backward(module)
         engine.abandon_window()
         moved = engine.make_room() if self.config.offload else []
-        if not moved:
+        if moved:
+            self._moved_back = True
+            if self.group.device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(self.group.device)
+            self.report = engine.memory_report()
+            self._say_placement(engine, f"a step ran out of memory there, {len(moved)} moved back; the batch runs"
+                                        " again")
+            return True
+        switched = recompute_activations(recomputable)  # the activations: all that is left to make room from
+        if not switched:
             return False
-        self._moved_back = True
-        if self.group.device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.group.device)
-        self.report = engine.memory_report()
-        self._say_placement(engine, f"a step ran out of memory there, {len(moved)} moved back; the batch runs again")
+        where = "GPU" if self.group.device.type == "cuda" else "accelerator"
+        self._say(f"the step ran out of {where} memory; recomputing {', '.join(switched)} activations from now on"
+                  " ('auto'), the batch runs again")
         return True
 
     @contextmanager

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
 
@@ -22,7 +22,9 @@ from lightning_zoff._compat import (
     hf_init_weights,
     init_as_root,
     is_view,
+    recomputes_activations,
     replace_direct_tensor,
+    set_recompute,
 )
 from lightning_zoff.offload import UnitShape, padded_shard_numel
 from lightning_zoff.units import Unit
@@ -261,18 +263,39 @@ def _direct_tensors(module: nn.Module) -> list[torch.Tensor]:
     return [t for _, _, t in direct_tensors(module)]
 
 
-def checkpoint_activations(model: nn.Module, classes: Iterable[type[nn.Module]]) -> None:
+def checkpoint_activations(model: nn.Module, classes: Iterable[type[nn.Module]], *, recompute: bool = True
+                           ) -> list[nn.Module]:
     """Recompute the activations of every module of `classes` in backward (torch's composable checkpoint: hooks on
-    the module itself, so the module tree, the parameter names and FSDP2's units stay as they are)."""
+    the module itself, so the module tree, the parameter names and FSDP2's units stay as they are). `recompute` False:
+    installed switched off, for `recompute_activations` to switch on later. The modules it is installed on (switched
+    off, none where this torch cannot switch it)."""
     classes = tuple(classes)
     if not classes:
-        return
+        return []
     targets = [m for m in model.modules() if isinstance(m, classes)]
     if not targets:
         raise ValueError(f"activation_checkpointing_policy={sorted(c.__name__ for c in classes)} matches no module of"
                          f" {type(model).__name__}; name classes the model uses (for a transformer, its block).")
-    for module in targets:
-        checkpoint_activations_of(module)
+    return [module for module in targets if checkpoint_activations_of(module, recompute=recompute)]
+
+
+def recompute_activations(modules: Sequence[nn.Module]) -> list[str]:
+    """Switch on the recompute `checkpoint_activations` installed on `modules`; the names of the classes switched on
+    (none when every one was on already)."""
+    switched = sorted({_own_class(m).__name__ for m in modules if not recomputes_activations(m)})
+    for module in modules:
+        set_recompute(module, True)
+    return switched
+
+
+def _own_class(module: nn.Module) -> type[nn.Module]:
+    """The model's class of `module`, not the subclass of it FSDP2 made the module's class when it sharded it."""
+    return cast("type[nn.Module]", next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)))
+
+
+def block_classes(units: Iterable[Unit]) -> set[type[nn.Module]]:
+    """The classes of the units that are blocks: what "auto" recomputes."""
+    return {type(unit.module) for unit in units if unit.is_block}
 
 
 def is_sharded(model: nn.Module) -> bool:

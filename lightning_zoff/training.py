@@ -27,7 +27,7 @@ from lightning_zoff.launch.group import RankGroup
 from lightning_zoff.memory import Memory
 from lightning_zoff.offload import OffloadEngine, PlanDoesNotFit, StepOutcome
 from lightning_zoff.precision_math import PrecisionMath
-from lightning_zoff.sharding import checkpoint_activations, is_sharded, shard_model
+from lightning_zoff.sharding import block_classes, checkpoint_activations, is_sharded, shard_model
 from lightning_zoff.telemetry import StepTimer, step_metrics
 from lightning_zoff.units import Unit, forward_order, plan_units
 
@@ -52,6 +52,8 @@ class ShardedTraining:
         self.masters: dict[int, torch.Tensor] = {}  # fp32 shards by id of the parameter, until an engine takes them
         self.last_step: StepOutcome | None = None
         self._refusal: PlanDoesNotFit | None = None  # the plan's, for a model set up before its optimizer
+        self.recomputable: list[nn.Module] = []  # blocks "auto" can switch recompute on for (after an OOM)
+        self._peak_stale = False  # a failed try's memory counts in the peak until the rerun's forward
         self.telemetry: dict[str, float] = {}  # the last step's, for callbacks and benchmarks
         self.timer = StepTimer(group.device)
 
@@ -80,7 +82,10 @@ class ShardedTraining:
                 if fitting:
                     raise
                 self._refusal = refusal
-        checkpoint_activations(module, recomputed)
+        if policy == "auto":  # installed on the blocks even when not chosen: switched on if a step runs out of memory
+            self.recomputable = checkpoint_activations(module, block_classes(self.units), recompute=bool(recomputed))
+        else:
+            checkpoint_activations(module, recomputed)
         mesh = init_device_mesh(self.group.device.type, (self.group.world_size,))
         with torch_threads(len(self.cpu_layout.cores)):  # meta init and master copies: no kernels run yet
             self.masters = shard_model(module, self.units, mesh, param_dtype, self.config.param_init_fn)
@@ -112,6 +117,10 @@ class ShardedTraining:
 
     @contextmanager
     def forward(self) -> Iterator[None]:
+        if self._peak_stale and self.group.device.type == "cuda":
+            # the failed try's memory is free by now (its traceback was): "auto" places by the rerun's peak alone
+            torch.cuda.reset_peak_memory_stats(self.group.device)
+        self._peak_stale = False
         with self.timer.measure("forward"), self.memory.explaining_oom(self.engine):
             yield
 
@@ -151,9 +160,12 @@ class ShardedTraining:
         return self.memory.report
 
     def make_room_after_oom(self) -> bool:
-        """After a window's step ran out of accelerator memory before its decision: state moved back to the host so
-        the same batch can run again (`Memory.make_room_after_oom`); whether any moved."""
-        return self.memory.make_room_after_oom(self._engine(), self._module())
+        """After a window's step ran out of accelerator memory before its decision: state moved back to the host, or
+        else recompute switched on for the blocks ("auto"), so the same batch can run again
+        (`Memory.make_room_after_oom`); whether either happened."""
+        made = self.memory.make_room_after_oom(self._engine(), self._module(), self.recomputable)
+        self._peak_stale = made
+        return made
 
     # -- checkpoints (`Checkpoints`, with this rank's module and engine) --------------------------------------
 

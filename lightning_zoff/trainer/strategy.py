@@ -218,8 +218,9 @@ class ZoffStrategy(FrontDoor, ParallelStrategy):
 
     def _run_window_end(self, optimizer: Any, closure: Any, model: Any, **kwargs: Any) -> Any:
         """The window's last forward and backward (Lightning's closure). On one rank, a window of one micro-batch that
-        runs the accelerator out of memory runs again once state moved back to the host makes room: nothing was
-        applied yet. (Ranks that did not fail would wait in collectives the failed one left: they stop.)"""
+        runs the accelerator out of memory runs again once state moved back to the host, or else recompute of the
+        blocks' activations ("auto"), makes room: nothing was applied yet. (Ranks that did not fail would wait in
+        collectives the failed one left: they stop.) A try that fails with nothing left to change raises."""
         while True:
             try:
                 return super().optimizer_step(optimizer, closure, model, **kwargs)
