@@ -78,6 +78,13 @@ class ZoffConfig:
     state_dict_type: Literal["sharded", "full"] = option(
         "sharded", "checkpoints: `\"sharded\"` (a directory, one file per rank, resumable at any world size) or"
                    " `\"full\"` (one file from rank 0, loadable without zoff)")
+    loader_workers: int | None = option(
+        None, "DataLoader worker processes per rank the host plan keeps room for (1 GiB each); default: the"
+              " `num_workers` of the DataLoader given to `fit` (or of the DataModule or LightningModule that holds"
+              " one), else 0")
+    host_memory_floor: float | None = option(
+        None, "GB of available host memory under which zoff stops the run itself at the next step, with one line,"
+              " before the OS's OOM killer would end it; default: 2% of the host's memory, at least 0.5 GiB")
     param_init_fn: ParamInitFn | None = option(
         None, "`callable(module)` that initialises a module built on the meta device, a unit at a time; default:"
               " the module's `init_module_weights`, Hugging Face's `_init_weights`, or `reset_parameters()`")
@@ -101,6 +108,14 @@ class ZoffConfig:
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise TypeError(f"ZoffStrategy(cpu_threads={threads!r}): expected a positive integer, or None for the cores"
                             " this process may use divided by the ranks on its node.")
+        workers = self.loader_workers
+        if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
+            raise TypeError(f"ZoffStrategy(loader_workers={workers!r}): expected 0 or more DataLoader workers per"
+                            " rank, or None to read them from the DataLoader.")
+        floor = self.host_memory_floor
+        if floor is not None and (isinstance(floor, bool) or not isinstance(floor, (int, float)) or floor < 0):
+            raise TypeError(f"ZoffStrategy(host_memory_floor={floor!r}): expected GB of host memory (0 or more), or"
+                            " None for 2% of the host's memory.")
         if self.param_init_fn is not None and not callable(self.param_init_fn):
             raise TypeError(f"ZoffStrategy(param_init_fn={self.param_init_fn!r}): expected a callable(module), or"
                             " None.")

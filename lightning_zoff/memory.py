@@ -15,6 +15,7 @@ from torch import nn
 
 from lightning_zoff._compat import finish_failed_backward
 from lightning_zoff.config import ZoffConfig
+from lightning_zoff.host_watch import HostMemoryLow, available_bytes, floor_bytes, stop_line
 from lightning_zoff.launch.group import RankGroup, group_is_up
 from lightning_zoff.launch.node_log import log_for_node
 from lightning_zoff.offload import (
@@ -45,17 +46,19 @@ class Memory:
         self.report: dict[str, float] = {}  # the engine's memory report, after setup and after each move
         self._placing_by_peak = False  # "auto" on a GPU: after the next step, by its measured peak
         self._moved_back = False
+        self._floor = floor_bytes(config.host_memory_floor)
 
-    def read_machine(self) -> Machine:
+    def read_machine(self, loader_workers: int = 0) -> Machine:
         """The least memory any rank measured: every rank plans with the same numbers (they read the host at slightly
-        different moments), so their plans and their reports agree."""
+        different moments), so their plans and their reports agree. `loader_workers`: each rank's DataLoader workers,
+        kept room for on the host."""
         g = self.group
-        machine = measure_machine(g.device, g.ranks_on_node)
+        machine = measure_machine(g.device, g.ranks_on_node, loader_workers)
         if g.world_size > 1 and group_is_up():
             readings = torch.tensor([machine.host_available, machine.accelerator_capacity or -1], dtype=torch.float64)
             dist.all_reduce(readings, op=dist.ReduceOp.MIN)  # a CPU tensor: gloo, also under "cpu:gloo,cuda:nccl"
             host, accelerator = (int(v) for v in readings.tolist())
-            machine = Machine(host, None if accelerator < 0 else accelerator)
+            machine = Machine(host, None if accelerator < 0 else accelerator, loader_workers)
         self.machine = machine
         return machine
 
@@ -88,6 +91,18 @@ class Memory:
     def _all_state(plan: MemoryPlan) -> int:
         return plan.with_placement({u.name: Placement.ACCELERATOR for u in plan.shapes}).accelerator_bytes
 
+    def check_host(self, step: int) -> None:
+        """Stop the run (`HostMemoryLow`) when the host's available memory is under the floor on any rank of the
+        node: every rank reads it, and all stop at the same step."""
+        available = available_bytes()
+        g = self.group
+        if g.world_size > 1 and group_is_up():
+            reading = torch.tensor([available], dtype=torch.int64)
+            dist.all_reduce(reading, op=dist.ReduceOp.MIN)  # a CPU tensor: gloo, also under "cpu:gloo,cuda:nccl"
+            available = int(reading.item())
+        if available < self._floor:
+            raise HostMemoryLow(stop_line(step, available, self._floor, int(self.report.get("host_total", 0))))
+
     def engine_built(self, engine: OffloadEngine) -> None:
         """Report the new engine's memory and placement; "auto" on a GPU places more after the first step."""
         config = self.config
@@ -99,6 +114,9 @@ class Memory:
         self._say(f"host {size(r['host_total'])} of {size(r['host_capacity'])} planned"
                   f" ({r['host_bytes_per_trained_param']:.1f} B/param), {int(r['spare_sets'])} spare set(s),"
                   f" {engine.threads} CPU thread(s)")
+        workers = int(r["loader_workers"])
+        self._say(f"host: {size(r['host_kept'])} kept for {workers} loader worker{'' if workers == 1 else 's'} and the"
+                  f" OS; the run stops itself under {size(self._floor)} available")
         log.debug("zoff rank %d memory: %s", self.group.global_rank, describe_memory(r))
         if config.offload:
             self._say_placement(engine, f"{config.accelerator_state!r} at setup")

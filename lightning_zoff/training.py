@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_zoff.checkpoint.checkpoints import Checkpoints
 from lightning_zoff.config import ZoffConfig
+from lightning_zoff.host_watch import HostMemoryLow
 from lightning_zoff.launch.cpus import CpuLayout, rank_layout, torch_threads
 from lightning_zoff.launch.group import RankGroup
 from lightning_zoff.memory import Memory
@@ -60,17 +61,18 @@ class ShardedTraining:
     # -- setup ----------------------------------------------------------------------------------------------
 
     def shard(self, module: nn.Module, param_dtype: torch.dtype, *, fitting: bool,
-              accumulate_grad_batches: int = 1) -> None:
+              accumulate_grad_batches: int = 1, loader_workers: int = 0) -> None:
         """Shard `module` in place into FSDP2 units of `param_dtype` shards, keeping this rank's fp32 masters, unless it
         came sharded. With offload, the optimizer state is planned first: a model whose state cannot fit is refused
         here, before anything is allocated, when `fitting`; else (a model set up before its optimizer, or for
-        evaluation) when an optimizer is set up. A module built on the meta device is materialised a unit at a time."""
+        evaluation) when an optimizer is set up. A module built on the meta device is materialised a unit at a time.
+        `loader_workers`: the rank's DataLoader workers, kept room for on the host."""
         self.module = module
         if is_sharded(module):
             return
         self.close_engine()  # an earlier fit's, of another model
         self.units = plan_units(module, self.config.wrap_policy, root_runs_forward=self.root_runs_forward)
-        self.memory.read_machine()
+        self.memory.read_machine(loader_workers)
         policy = self.config.activation_checkpointing_policy
         recomputed: set[type[nn.Module]] = set() if policy == "auto" else set(policy)
         self._refusal = None
@@ -137,6 +139,11 @@ class ShardedTraining:
         """The window's step: with overlap this waits for its last gradients to land and decides (the updates run on
         the worker); without, it also updates. The loss scale follows the outcome."""
         engine = self._engine()
+        try:
+            self.memory.check_host(step_index)  # before the OS's OOM killer would end the run
+        except HostMemoryLow:
+            engine.abandon_window()  # the state stays the last step's
+            raise
         with self.timer.measure("exposed_optimizer"):
             outcome = engine.step(optimizer, precision.take_clip_request(), precision.loss_scale)
         self.last_step = outcome

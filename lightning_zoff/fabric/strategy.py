@@ -161,7 +161,9 @@ class ZoffFabricStrategy(FrontDoor, ParallelStrategy):
         training = self._training()
         self.precision.device_type = self.root_device.type
         self.precision.around_forward = training.forward
-        training.shard(module, self.precision.param_dtype, fitting=fitting)
+        # Fabric's dataloaders may be set up after the model: only the option tells their workers
+        training.shard(module, self.precision.param_dtype, fitting=fitting,
+                       loader_workers=self.config.loader_workers or 0)
         checkpoints.take_whole_state_dicts(module, training)
         self.barrier()
 

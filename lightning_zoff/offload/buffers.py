@@ -100,7 +100,7 @@ class _Pages(ctypes.Array):  # type: ignore[type-arg]
         _libc.munmap(start, len(self))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pages_type(length: int) -> type[_Pages]:
     return type("HostPages", (_Pages,), {"_length_": length, "_type_": ctypes.c_ubyte})
 

@@ -49,6 +49,10 @@ UPDATE_PIECE = 1 << 26  # elements an accelerator-side update converts to fp32 a
 # of the host memory available at setup, left to the rest of the process (CUDA, Python, data, checkpoints) and the OS:
 # the 13B GPT on a 134 GB host peaked 2.1 GB above its plan with 10% (121 GB with the plan at 119)
 HOST_RESERVE = 0.17
+# kept for each DataLoader worker of a rank: a worker is a fork of the rank that inherits none of zoff's buffers
+# (`buffers.py`), so it owns only the pages of the rank's Python heap it writes (reference counts, the collector) and
+# its batches: 11 MB after 200 batches of the CPU main job's loader (2026-12-06); a GiB covers a large heap.
+LOADER_WORKER_BYTES = GiB
 
 
 def size(nbytes: float) -> str:
@@ -136,20 +140,28 @@ class Machine:
 
     host_available: int  # this rank's share of the host memory available then
     accelerator_capacity: int | None  # what this rank's allocator may hold on its CUDA device; None: no GPU
+    loader_workers: int = 0  # this rank's DataLoader worker processes
+
+    @property
+    def host_kept(self) -> int:
+        """Host memory left to the rest of the process tree: this process beside zoff's state, the OS, and the rank's
+        DataLoader workers."""
+        return max(GiB // 4, int(HOST_RESERVE * self.host_available)) + self.loader_workers * LOADER_WORKER_BYTES
 
     @property
     def host_capacity(self) -> int:
-        """What zoff may hold on the host: the available memory less a reserve for the rest of the process."""
-        return max(0, self.host_available - max(GiB // 4, int(HOST_RESERVE * self.host_available)))
+        """What zoff may hold on the host: the available memory less what is kept for the rest."""
+        return max(0, self.host_available - self.host_kept)
 
     @property
     def accelerator_margin(self) -> int:
         return 0 if self.accelerator_capacity is None else margin_bytes(self.accelerator_capacity)
 
 
-def measure_machine(device: torch.device, ranks_on_node: int) -> Machine:
+def measure_machine(device: torch.device, ranks_on_node: int, loader_workers: int = 0) -> Machine:
     """The host's available memory (ZOFF_HOST_MEMORY_BYTES overrides it: tests, shared hosts) split among the node's
-    ranks, and what this process's CUDA allocator can hold (a per-process memory fraction counts)."""
+    ranks, and what this process's CUDA allocator can hold (a per-process memory fraction counts); `loader_workers`:
+    the rank's DataLoader workers, kept room for."""
     available = int(os.environ.get("ZOFF_HOST_MEMORY_BYTES", 0)) or psutil.virtual_memory().available
     accelerator = None
     if device.type == "cuda":
@@ -157,7 +169,7 @@ def measure_machine(device: torch.device, ranks_on_node: int) -> Machine:
         get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
         cap = int(total * (get_fraction(device) if get_fraction is not None else 1.0))
         accelerator = min(cap, free + torch.cuda.memory_reserved(device))
-    return Machine(available // ranks_on_node, accelerator)
+    return Machine(available // ranks_on_node, accelerator, loader_workers)
 
 
 @dataclass(frozen=True)
@@ -281,6 +293,8 @@ class MemoryPlan:
             "spare_sets": self.spare_sets,
             "host_total": self.host_bytes,
             "host_capacity": self.machine.host_capacity,
+            "host_kept": self.machine.host_kept,
+            "loader_workers": self.machine.loader_workers,
             "accelerator_optimizer_state": self.state_on(Placement.ACCELERATOR),
             "accelerator_transient": self.accelerator_transient_bytes,
             "accelerator_model": self.model_bytes,
@@ -349,7 +363,8 @@ def _refusal(plan: MemoryPlan, problems: list[str], accelerator_state: str | flo
     trained = sum(s.trained for s in plan.shapes)
     lines = [f"zoff: the optimizer state of {trained:,} trained elements on this rank does not fit "
              + " and ".join(problems) + f" (host: {size(plan.machine.host_available)} available at setup, of which"
-             f" {HOST_RESERVE:.0%} or at least 0.25 GiB stays with the rest of the process;"
+             f" {size(plan.machine.host_kept)} stays with the rest of the process tree: {HOST_RESERVE:.0%} or at least"
+             f" 0.25 GiB, and {size(LOADER_WORKER_BYTES)} for each of {plan.machine.loader_workers} loader workers;"
              f" {host_bytes_per_element(options)} B per element on the host, {options.state_bytes(1)} on the"
              " accelerator)."]
     fits = []

@@ -32,6 +32,7 @@ from lightning_zoff.launch import ranks
 from lightning_zoff.launch.cpus import CpuLayout
 from lightning_zoff.trainer.checks import check_predict_batches, check_supported
 from lightning_zoff.trainer.launchers import ZoffMultiProcessingLauncher, ZoffSubprocessScriptLauncher
+from lightning_zoff.trainer.loaders import check_counted, loader_workers
 from lightning_zoff.trainer.precision import ZoffPrecision
 from lightning_zoff.trainer.schedulers import SkipAwareScheduler
 
@@ -71,6 +72,8 @@ class ZoffStrategy(FrontDoor, ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         state_dict_type: Literal["sharded", "full"] = "sharded",
+        loader_workers: int | None = None,
+        host_memory_floor: float | None = None,
         param_init_fn: ParamInitFn | None = None,
     ) -> None:
         options = {name: value for name, value in locals().items() if name in ZoffConfig.__dataclass_fields__}
@@ -80,6 +83,7 @@ class ZoffStrategy(FrontDoor, ParallelStrategy):
         self.training: Core | None = None  # once the ranks' places are known (setup)
         self._in_optimizer_step = False
         self._cpu_layout: CpuLayout | None = None
+        self._loader_workers: int | None = None  # what the host plan counted, once set up
 
     @property
     def module(self) -> pl.LightningModule:
@@ -128,6 +132,8 @@ class ZoffStrategy(FrontDoor, ParallelStrategy):
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
         check_predict_batches(dataloader, self.world_size)
+        if self.module.trainer.training:
+            check_counted(dataloader, self._loader_workers)
         return dataloader
 
     @override
@@ -158,8 +164,10 @@ class ZoffStrategy(FrontDoor, ParallelStrategy):
         precision = self.precision_plugin
         check_accum_dtype(self.config.grad_accum_dtype, precision.precision, precision.param_dtype)
         precision.device_type = self.root_device.type
+        self._loader_workers = loader_workers(trainer, self.config.loader_workers)
         self._training().shard(module, precision.param_dtype, fitting=trainer.state.fn == TrainerFn.FITTING,
-                               accumulate_grad_batches=trainer.accumulate_grad_batches)
+                               accumulate_grad_batches=trainer.accumulate_grad_batches,
+                               loader_workers=self._loader_workers)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
