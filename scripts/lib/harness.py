@@ -164,8 +164,9 @@ def kill_tree(pid: int) -> None:
 # -- how a run failed ----------------------------------------------------------------------------------------------
 
 # the line of a traceback that names the exception: "torch.OutOfMemoryError: CUDA out of memory. ...",
-# "RuntimeError: ...", "AssertionError"
-EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Exit|Interrupt)\b(:|$)")
+# "RuntimeError: ...", "AssertionError", zoff's refusals ("...memory_plan.PlanDoesNotFit: zoff: ..."); torch prefixes
+# each line a rank prints with "[rank0]: "
+EXCEPTION_LINE = re.compile(r"^(\[rank\d+\]: ?)?[\w.]*(Error|Exception|Exit|Interrupt|DoesNotFit|MemoryLow)\b(:|$)")
 # lines that name the cause, whatever failed after it: the GPU out of memory, a DataLoader worker the kernel killed
 # (the training process then fails with "DataLoader worker (pid(s) ...) exited unexpectedly")
 CAUSE_LINES = ("CUDA out of memory", "is killed by signal: Killed")
@@ -187,7 +188,9 @@ def failure_line(stderr: str, returncode: int) -> str:
 
 
 def outcome_of(error: str) -> str:
-    """"gpu_oom", "host_oom", "timeout" or "error" for a failure_line."""
+    """"refused" (zoff's plan, at setup), "gpu_oom", "host_oom", "timeout" or "error" for a failure_line."""
+    if "PlanDoesNotFit" in error:
+        return "refused"
     if "CUDA out of memory" in error:
         return "gpu_oom"
     # a DataLoader worker the kernel killed: the training process raises "... is killed by signal: Killed."
