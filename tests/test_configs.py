@@ -160,6 +160,15 @@ def test_data_follows_the_model():
     assert (synthetic.vocab_size, synthetic.block_size) == (151936, 512)
 
 
+@pytest.mark.parametrize("data", ["corpus", "synthetic"])
+def test_the_real_shapes_load_with_four_workers_a_sequence_a_batch(data):
+    # users' runs: 4 loader workers, batch 1 of 4096 tokens (the command line still wins)
+    for name in ("hf_llama3_8b", "hf_qwen3_14b"):
+        loaded = instantiate(compose_train(f"data={data}", f"model={name}").data)
+        assert (loaded.num_workers, loaded.batch_size, loaded.block_size) == (4, 1, 4096), name
+    assert instantiate(compose_train("model=hf_llama3_8b", "data.num_workers=0").data).num_workers == 0
+
+
 @pytest.mark.parametrize("model", ["gpt_tiny", "hf_qwen3_tiny"])
 @pytest.mark.parametrize(("name", "kind"), [("adamw", torch.optim.AdamW), ("lion", lightning_zoff.optim.Lion),
                                        ("sgd", torch.optim.SGD)])

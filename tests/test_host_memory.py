@@ -148,3 +148,29 @@ def test_a_host_that_runs_short_stops_the_run_in_one_line_with_the_checkpoint_wh
     whole = torch.load(tmp_path / "whole.pt", weights_only=False)
     assert whole["state_dict"]
     assert all(torch.isfinite(t).all() for t in whole["state_dict"].values())
+
+
+@pytest.mark.parametrize(("given", "workers"), [("loader", 3), ("datamodule", 2), ("hparams", 5), ("hook", 0)])
+def test_the_plan_counts_the_workers_fit_was_given(given, workers):
+    from lightning_zoff.examples.corpus import CorpusDataModule
+    from lightning_zoff.trainer.loaders import loader_workers
+
+    class Hyper(TinyModule):
+        def __init__(self, num_workers: int) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+
+        def train_dataloader(self):
+            return loader(0)
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False)
+    module, data = TinyModule(), {}
+    if given == "loader":
+        data = {"train_dataloaders": DataLoader(token_loader().dataset, num_workers=3)}
+    elif given == "datamodule":
+        data = {"datamodule": CorpusDataModule(num_workers=2)}
+    elif given == "hparams":
+        module = Hyper(num_workers=5)
+    trainer._data_connector.attach_data(module, **data)  # what trainer.fit does before the strategy's setup
+    assert loader_workers(trainer, None) == workers
+    assert loader_workers(trainer, 7) == 7  # the option wins

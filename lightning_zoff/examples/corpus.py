@@ -165,9 +165,10 @@ class SyntheticDataModule(_WindowsDataModule):
         block_size: int = 128,
         batch_size: int = 8,
         num_samples: int = 16384,
+        num_workers: int = 0,
         seed: int = 1234,
     ):
-        super().__init__(batch_size, num_workers=0, seed=seed)
+        super().__init__(batch_size, num_workers, seed)
         _positive(vocab_size=vocab_size, block_size=block_size, num_samples=num_samples)
         self.vocab_size = vocab_size
         self.block_size = block_size
