@@ -15,7 +15,7 @@ from lightning_zoff.checks import check_optimizers
 
 
 def check_supported(trainer: Any, module: Any) -> None:
-    """Refuse what the strategy cannot train: manual optimization, clipping by value."""
+    """Refuse what the strategy cannot train: manual optimization, clipping by value, SyncBatchNorm on CPU ranks."""
     if not module.automatic_optimization:
         raise ValueError(
             "strategy='zoff' supports automatic optimization only: the optimizer step runs inside the"
@@ -24,6 +24,12 @@ def check_supported(trainer: Any, module: Any) -> None:
     if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value":
         raise ValueError(
             "strategy='zoff' clips gradients by norm only; use gradient_clip_algorithm='norm' (the default)."
+        )
+    strategy = trainer.strategy
+    if getattr(strategy, "_layer_sync", None) is not None and strategy.root_device.type == "cpu":
+        raise ValueError(
+            "sync_batchnorm=True: torch's SyncBatchNorm synchronises batch statistics on GPUs only, and these ranks"
+            " run on the CPU. Use sync_batchnorm=False there (each rank then keeps its own running statistics)."
         )
 
 

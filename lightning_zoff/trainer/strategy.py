@@ -164,6 +164,11 @@ class ZoffStrategy(FrontDoor, ParallelStrategy):
         precision = self.precision_plugin
         check_accum_dtype(self.config.grad_accum_dtype, precision.precision, precision.param_dtype)
         precision.device_type = self.root_device.type
+        if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
+            # sync_batchnorm=True: the module's BatchNorm layers become SyncBatchNorm in place, before sharding, as
+            # Lightning's DDP and FSDP strategies do. They stay so after fit (the model stays sharded); their state
+            # dict's keys are BatchNorm's, so checkpoints load into the plain model.
+            self._layer_sync.apply(module)
         self._loader_workers = loader_workers(trainer, self.config.loader_workers)
         self._training().shard(module, precision.param_dtype, fitting=trainer.state.fn == TrainerFn.FITTING,
                                accumulate_grad_batches=trainer.accumulate_grad_batches,
