@@ -1,0 +1,50 @@
+"""A step that does not fit the GPU under activation_checkpointing_policy="auto": the plan keeps all of a 1.34B GPT's
+state on the GPU and recomputes nothing, batch 48 of 1024 tokens keeps more activations (about 80 GB) than the rest
+of the GPU holds, and the first forward runs out of CUDA memory; zoff then recomputes the blocks, says so in one line,
+and runs the batch again: the run trains as one that named the blocks from the start."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_zoff import ZoffStrategy
+from lightning_zoff.examples.corpus import SyntheticDataModule
+from lightning_zoff.examples.gpt import Block, GPTModule
+
+SHAPE = dict(vocab_size=32000, block_size=1024, n_layer=24, n_head=16, n_embd=2048, bias=False)  # conf/model/gpt_1b
+
+
+class Losses(pl.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
+
+
+def train(policy) -> list[float]:
+    pl.seed_everything(0)
+    losses = Losses()
+    trainer = pl.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=3, gradient_clip_val=1.0,
+                         strategy=ZoffStrategy(activation_checkpointing_policy=policy), callbacks=[losses],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    with trainer.init_module(empty_init=True):
+        module = GPTModule(**SHAPE)
+    data = SyntheticDataModule(vocab_size=SHAPE["vocab_size"], block_size=SHAPE["block_size"], batch_size=48,
+                               num_samples=144)
+    trainer.fit(module, datamodule=data)
+    torch.cuda.empty_cache()
+    return losses.losses
+
+
+def test_a_first_step_out_of_gpu_memory_turns_recompute_on_and_runs_again(capfd):
+    recovered = train("auto")
+    out = capfd.readouterr()
+    said = [line for line in (out.out + out.err).splitlines() if "recomputing" in line]
+    assert len(said) == 1, said
+    assert "ran out of GPU memory" in said[0], said
+    assert "Block" in said[0], said
+    named = train({Block})
+    assert len(recovered) == len(named) == 3
+    torch.testing.assert_close(torch.tensor(recovered), torch.tensor(named), rtol=2e-3, atol=0)
