@@ -15,6 +15,7 @@ leaves the previous checkpoint whole.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -186,9 +187,7 @@ def read(path: Path, weights_only: bool | None = None) -> dict[str, Any]:
     try:
         checkpoint = torch.load(file, map_location="cpu", mmap=not path.is_dir(), weights_only=weights_only)
     except Exception as err:
-        raise CheckpointError(
-            f"{file}: cannot be read ({err}); the file is truncated or not a torch checkpoint"
-        ) from err
+        raise _unreadable(file, err) from err
     if not isinstance(checkpoint, dict):
         raise CheckpointError(f"{file}: holds a {type(checkpoint).__name__}, not a Lightning checkpoint")
     return checkpoint
@@ -206,6 +205,55 @@ def is_zoff_checkpoint(path: Path) -> bool:
     except Exception:
         return False
     return isinstance(checkpoint, dict) and isinstance(checkpoint.get("zoff"), dict)
+
+def _unreadable(file: Path, err: Exception) -> CheckpointError:
+    """Why torch.load failed on `file`, told apart: globals its weights-only unpickler refuses (the file is whole), a
+    zip archive cut short, or something else."""
+    refused = _refused_globals(file, err)
+    if refused:
+        names = ", ".join(refused[:12]) + (", ..." if len(refused) > 12 else "")
+        return CheckpointError(
+            f"{file}: torch's weights-only load refuses the global {refused[0]}: the checkpoint is whole but holds"
+            " objects of classes outside torch's allowlist (a class of your own or a Hydra/omegaconf config in the"
+            " hyperparameters, say). If you trust the file, allow them before loading with"
+            f" `torch.serialization.add_safe_globals([{names}])`, or load it fully with `weights_only=False`"
+            " (`trainer.fit(..., ckpt_path=..., weights_only=False)`, `fabric.load(path, state, weights_only=False)`)"
+        )
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(4)
+        f.seek(max(0, size - _ZIP_TAIL))
+        tail = f.read()
+    if size == 0:
+        return CheckpointError(f"{file}: cannot be read: the file is empty (0 bytes)")
+    if head != _ZIP_START:
+        return CheckpointError(f"{file}: cannot be read: not a torch checkpoint (torch.save writes a zip archive; this"
+                               " file does not start as one)")
+    if _ZIP_END not in tail:
+        return CheckpointError(f"{file}: truncated: its {size} bytes end inside the zip archive torch.save wrote"
+                               " (the archive's directory, written last, is missing)")
+    return CheckpointError(f"{file}: cannot be read ({err})")
+
+
+_ZIP_START, _ZIP_END = b"PK\x03\x04", b"PK\x05\x06"
+_ZIP_TAIL = 22 + 65535 + 56 + 20  # the end record with its longest comment, after zip64's record and locator
+
+
+def _refused_globals(file: Path, err: Exception) -> list[str]:
+    """The globals torch's weights-only unpickler refuses in `file`, all of them (torch's message names the first
+    only); none where `err` is another failure."""
+    message = str(err)
+    if "Weights only load failed" not in message:
+        return []
+    first = re.findall(r"GLOBAL (\S+) was not an allowed global", message)
+    if not first:
+        return []  # not pickled by torch.save at all (a text file fails this way too)
+    try:
+        every = torch.serialization.get_unsafe_globals_in_checkpoint(file)
+    except Exception:
+        return first
+    return first + [name for name in every if name != first[0]]
+
 
 
 def check_format(checkpoint: dict[str, Any], path: Path) -> dict[str, Any]:
