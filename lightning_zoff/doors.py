@@ -50,7 +50,8 @@ class FrontDoor:
 
     @property
     def telemetry(self) -> dict[str, float]:
-        """The last step's breakdown (forward, backward, exposed optimizer time, bytes moved), as logged."""
+        """The last step's breakdown (forward, backward, exposed optimizer time, bytes moved): what `ZoffStatsMonitor`
+        logs."""
         return self.training.telemetry if self.training is not None else {}
 
     @property

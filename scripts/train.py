@@ -18,7 +18,6 @@ prints one `error:` line, exits 2 and leaves no directory.
 """
 
 import contextlib
-import logging
 import os
 import re
 import resource
@@ -38,7 +37,7 @@ from lightning.fabric.accelerators.cuda import num_cuda_devices
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_zoff import ZoffStrategy  # importing the package registers the "zoff" strategy names with Lightning
+from lightning_zoff import ZoffStatsMonitor, ZoffStrategy  # importing the package registers the "zoff" strategy names
 from lightning_zoff.examples import resume
 from lightning_zoff.examples.corpus import DataValueError
 from lightning_zoff.examples.progress import progress_bar
@@ -215,8 +214,6 @@ def main(cfg: DictConfig) -> None:
     # pool has started: the child's first parallel region would wait forever. In a sweep, this process forks the
     # ranks of every job, so it stays single-threaded; Finish.setup gives the ranks theirs.
     torch.set_num_threads(1)
-    # Hydra has configured logging (console and the job's train.log); zoff's own stderr handler would print twice
-    logging.getLogger("lightning_zoff").handlers.clear()
     # version_base 1.3 leaves the cwd alone; every output goes under the job's directory, named absolutely
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
@@ -233,8 +230,9 @@ def main(cfg: DictConfig) -> None:
     last = run_dir / "checkpoints" / "last.ckpt" if cfg.save_checkpoint else None
     # the checkpoint after the step's loss is in the history, and before Finish samples at the end
     saves = [LastCheckpoint(last, cfg.checkpoint_every_n_steps)] if last is not None else []
-    callbacks = [QuietRanks(), history, breakdown, *saves, Finish(cfg, run_dir, history, breakdown, last),
-                 progress_bar(), *instantiate(cfg.callbacks)]
+    # ZoffStatsMonitor: zoff's step breakdown in the logger's metrics (CSV or TensorBoard) at every logged step
+    callbacks = [QuietRanks(), ZoffStatsMonitor(), history, breakdown, *saves,
+                 Finish(cfg, run_dir, history, breakdown, last), progress_bar(), *instantiate(cfg.callbacks)]
     # max_epochs null: Lightning lets max_steps govern (max_epochs -1), so a resumed run trains on to max_steps
     trainer_options = OmegaConf.to_container(cfg.trainer)
     trainer = pl.Trainer(

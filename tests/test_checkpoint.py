@@ -23,7 +23,7 @@ from helpers.resume_run import SaveBatch, resume_fit
 from helpers.safetensors_reader import nested, rank_file_tensors
 from helpers.tiny import TinyLM, token_loader
 from helpers.tiny_module import TinyModule, read_probe
-from lightning_zoff import ZoffPrecision, ZoffStrategy
+from lightning_zoff import ZoffPrecision, ZoffStatsMonitor, ZoffStrategy
 from lightning_zoff.checkpoint import full_optimizer_state
 from lightning_zoff.checkpoint.consolidate import consolidate
 from lightning_zoff.checkpoint.files import CheckpointError, recover
@@ -216,9 +216,10 @@ def test_fp16_loss_scale_and_lr_schedule_survive(tmp_path):
     def fp16():  # grows the scale every 2 good steps, so a reset scaler would show
         return [ZoffPrecision("16-mixed", scale=2.0**8, growth_interval=2)]
 
-    full = resume_fit(tmp_path / "full", plugins=fp16(),
-                      callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1, every_n_train_steps=6)])
-    resumed = resume_fit(tmp_path / "resumed", plugins=fp16(), ckpt_path=tmp_path / "ck" / STEP6)
+    full = resume_fit(tmp_path / "full", plugins=fp16(), callbacks=[
+        ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1, every_n_train_steps=6), ZoffStatsMonitor()])
+    resumed = resume_fit(tmp_path / "resumed", plugins=fp16(), ckpt_path=tmp_path / "ck" / STEP6,
+                         callbacks=[ZoffStatsMonitor()])
     for rank in (0, 1):
         assert resumed[rank]["param_dtypes"] == ["torch.float16"]
         assert resumed[rank]["losses"] == full[rank]["losses"][6:]

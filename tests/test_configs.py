@@ -324,3 +324,16 @@ def test_the_bytes_per_parameter_conf_cites_are_the_plans():
                for m in (4, 2)}
     assert cited
     assert cited <= planned == {14, 10}
+
+
+def test_the_guides_hydra_trainer_config_builds_a_zoff_trainer():
+    # docs/guide.md, "The Trainer of your own Hydra app": the block as written, on this machine's CPU
+    guide = (CONF.parent / "docs" / "guide.md").read_text()
+    section = guide.split("### The Trainer of your own Hydra app", 1)[1].split("\n### ", 1)[0]
+    block = re.search(r"^```yaml\n(.*?)^```$", section, re.DOTALL | re.MULTILINE).group(1)
+    config = OmegaConf.merge(OmegaConf.create(block), {"accelerator": "cpu", "precision": "bf16-mixed"})
+    trainer = instantiate(config, logger=False)
+    assert isinstance(trainer, pl.Trainer)
+    assert isinstance(trainer.strategy, ZoffStrategy)
+    assert trainer.strategy.num_processes == 2
+    assert trainer.strategy.config.start_method == "fork"

@@ -77,6 +77,9 @@ def test_one_job(tmp_path):
     assert max(len(line) for line in text) <= 160, max(text, key=len)
     warned = [line for line in lines if re.search(r"\w+Warning: ", line)]
     assert len(warned) == len(set(warned)), warned
+    # Hydra configured logging: zoff's lines go through its handlers (console and train.log), each once
+    assert len([line for line in lines if "zoff ranks 0-1: host " in line]) == 1, out[-3000:]
+    assert "zoff ranks 0-1: host " in (run_dir / "train.log").read_text()
     assert re.search(r"Epoch 0(/0)? ", out)
     assert "/-" not in out.replace(sample, "")
 
@@ -90,8 +93,10 @@ def test_one_job_with_a_hugging_face_model(tmp_path):
     metrics = run_dir / "lightning_logs" / "version_0" / "metrics.csv"  # Lightning's CSVLogger: no tensorboard here
     if metrics.exists():
         with open(metrics) as rows:
-            losses = [float(row["train_loss"]) for row in csv.DictReader(rows) if row["train_loss"]]
+            logged = list(csv.DictReader(rows))
+        losses = [float(row["train_loss"]) for row in logged if row["train_loss"]]
         assert len(losses) == 3
+        assert len([row for row in logged if row.get("zoff/forward_s")]) == 3  # the job adds ZoffStatsMonitor
         assert all(math.isfinite(loss) for loss in losses)
         assert losses[-1] < losses[0]
     else:  # TensorBoard's logger: the progress bar's (TQDM or Rich) last loss

@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -37,6 +38,15 @@ def test_the_ranks_of_a_node_speak_once():
     assert out.count("a step decays such a moment by less than half a bf16 ulp") == 1  # a warning every rank raises
     assert out.count("UserWarning: a warning that every rank of the node raises alike") == 1  # not zoff's: once too
     assert "(local 0 of 2)" not in out  # the CPU layout of each rank: debug
+
+
+@pytest.mark.parametrize("configure", ["", "logging.basicConfig(level=logging.INFO)"], ids=["none", "basicConfig"])
+def test_each_zoff_line_appears_once_whether_the_application_configured_logging_or_not(configure):
+    # zoff's own handler prints only while the application has configured none; after that the root's handlers do
+    app = f"import logging, lightning_zoff\n{configure}\nlogging.getLogger('lightning_zoff').info('a zoff line')"
+    proc = subprocess.run([sys.executable, "-c", app], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (proc.stdout + proc.stderr).count("a zoff line") == 1, proc.stderr
 
 
 def test_each_rank_says_its_own_cpu_layout_at_debug_level():

@@ -15,7 +15,7 @@ import lightning_zoff
 from helpers import tiny
 from helpers.tiny import SEQ, VOCAB, token_loader
 from helpers.tiny_module import TinyModule, read_probe
-from lightning_zoff import ZoffStrategy
+from lightning_zoff import ZoffStatsMonitor, ZoffStrategy
 from lightning_zoff.offload.memory_plan import StateOptions, host_bytes_per_element
 from lightning_zoff.offload.placement import Placement
 
@@ -87,7 +87,7 @@ def test_bf16_moments_follow_fp32_training_with_less_host_memory(tmp_path, ddp_l
 
 
 def test_each_rank_holds_its_share_of_master_and_state(tmp_path):
-    fit(tmp_path, ZoffStrategy(start_method="fork"), precision="bf16-true", max_steps=2)
+    fit(tmp_path, ZoffStrategy(start_method="fork"), precision="bf16-true", max_steps=2, callbacks=[ZoffStatsMonitor()])
     ranks = [read_probe(tmp_path, r) for r in (0, 1)]
     total = ranks[0]["num_params"]
     for info in ranks:
@@ -97,8 +97,8 @@ def test_each_rank_holds_its_share_of_master_and_state(tmp_path):
         assert mem["host_master"] * 2 == mem["host_optimizer_state"]
         assert total / 2 <= mem["host_master"] / 4 <= total / 2 * 1.02
         assert mem["accelerator_bytes_per_param"] == 2.0
-        # the step breakdown reached the logger; 2 B/param each way: two 16-bit micro-batch shards down
-        # (padded layout), one 16-bit parameter shard up
+        # the step breakdown reached the logger (ZoffStatsMonitor); 2 B/param each way: two 16-bit micro-batch shards
+        # down (padded layout), one 16-bit parameter shard up
         tele = info["telemetry"]
         assert {"zoff/forward_s", "zoff/backward_s", "zoff/exposed_optimizer_s", "zoff/cpu_update_s",
                 "zoff/placement_s"} <= tele.keys()

@@ -57,14 +57,17 @@ class LossHistory(pl.Callback):
 
 
 class StepBreakdown(pl.Callback):
-    """Collects the `zoff/*` metrics ZoffStrategy logs at every optimizer step, on rank 0, for a summary."""
+    """Collects the breakdown ZoffStrategy computes at every optimizer step (`trainer.strategy.telemetry`, what
+    `ZoffStatsMonitor` logs), on rank 0, for a summary. A step whose phase times are not known yet (CUDA events read
+    once done) keeps the last ones, as the logger's metrics do."""
 
     PHASES = ("forward", "backward", "exposed_optimizer")
 
     def __init__(self) -> None:
         self.steps: list[tuple[int, dict[str, float]]] = []  # (optimizer step, its metrics)
         self._last_step = 0
-        self._logged = False  # whether the strategy logs a breakdown (a zoff one)
+        self._latest: dict[str, float] = {}
+        self._logged = False  # whether the strategy computes a breakdown (a zoff one)
 
     @override
     def on_train_start(self, trainer, pl_module):
@@ -73,19 +76,17 @@ class StepBreakdown(pl.Callback):
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        # inside an accumulation window the global step stands still and nothing new was logged
-        if not trainer.is_global_zero or trainer.global_step == self._last_step:
+        # inside an accumulation window the global step stands still and no step ran
+        if not self._logged or not trainer.is_global_zero or trainer.global_step == self._last_step:
             return
         self._last_step = trainer.global_step
-        metrics = {
-            k.removeprefix("zoff/"): float(v) for k, v in trainer.callback_metrics.items() if k.startswith("zoff/")
-        }
-        if metrics:
-            self.steps.append((trainer.global_step, metrics))
+        self._latest |= {k.removeprefix("zoff/"): float(v) for k, v in trainer.strategy.telemetry.items()}
+        if self._latest:
+            self.steps.append((trainer.global_step, dict(self._latest)))
 
     def summary(self) -> str:
         if not self.steps:
-            why = "no optimizer step ran" if self._logged else "only strategy=zoff / zoff_no_offload log one"
+            why = "no optimizer step ran" if self._logged else "only strategy=zoff / zoff_no_offload compute one"
             return f"step breakdown: none ({why})"
         # the first step also builds buffers and (once per machine) the CPU kernels
         kept = self.steps[1:] or self.steps

@@ -226,7 +226,6 @@ class ZoffStrategy(FrontDoor, ParallelStrategy):
             self._in_optimizer_step = False
         training = self._training()
         training.step(optimizer, self.precision_plugin, self.module.trainer.global_step)
-        self.module.log_dict(training.telemetry, on_step=True, on_epoch=False)  # Lightning allows it in optimizer_step
         return result
 
     def _run_window_end(self, optimizer: Any, closure: Any, model: Any, **kwargs: Any) -> Any:
