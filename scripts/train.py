@@ -230,8 +230,10 @@ def main(cfg: DictConfig) -> None:
     last = run_dir / "checkpoints" / "last.ckpt" if cfg.save_checkpoint else None
     # the checkpoint after the step's loss is in the history, and before Finish samples at the end
     saves = [LastCheckpoint(last, cfg.checkpoint_every_n_steps)] if last is not None else []
+    # Ctrl-C: the last checkpoint, and the command that resumes it (this one's options, its ckpt_path= that one)
+    interrupt = resume.ResumeOnInterrupt(last, ["python", sys.argv[0], *HydraConfig.get().overrides.task])
     # ZoffStatsMonitor: zoff's step breakdown in the logger's metrics (CSV or TensorBoard) at every logged step
-    callbacks = [QuietRanks(), ZoffStatsMonitor(), history, breakdown, *saves,
+    callbacks = [QuietRanks(), interrupt, ZoffStatsMonitor(), history, breakdown, *saves,
                  Finish(cfg, run_dir, history, breakdown, last), progress_bar(), *instantiate(cfg.callbacks)]
     # max_epochs null: Lightning lets max_steps govern (max_epochs -1), so a resumed run trains on to max_steps
     trainer_options = OmegaConf.to_container(cfg.trainer)

@@ -109,6 +109,7 @@ def train(fabric: Fabric, args: argparse.Namespace) -> dict:
         if step % args.log_every == 0 or step == args.max_steps:
             fabric.print(f"step {step} loss {loss_value:.4f} {step_s[-1]:.3f} s")
     fabric.save(args.out / f"{args.strategy}.ckpt", {"model": model, "optimizer": optimizer, "step": args.max_steps})
+    fabric.print(f"checkpoint: {args.out / f'{args.strategy}.ckpt'}")
     timed = step_s[args.warmup:] or step_s
     s_per_step = statistics.median(timed)
     tokens = args.micro_batch * args.block_size * args.accumulate * fabric.world_size

@@ -5,6 +5,7 @@ refusals. Ranks are forked, 2 (or 3) CPU processes on gloo."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -118,26 +119,29 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere():
 
 
 class LossFile(pl.Callback):
-    """Rank 0 writes the losses it recorded (each step's mean over all ranks) to `path`."""
+    """Rank 0 writes the losses it recorded (each step's mean over all ranks) and the last step to `path`."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
 
     def on_train_end(self, trainer, pl_module) -> None:
         if trainer.is_global_zero:
-            self.path.write_text(json.dumps(pl_module.losses))
+            self.path.write_text(json.dumps({"losses": pl_module.losses, "global_step": trainer.global_step}))
 
 
 def trainer_fit(out: Path, devices: int, first_step: int, steps: int, ckpt_path=None, callbacks=()) -> list[float]:
-    """`steps` steps of the same loop under the Trainer (one micro-batch per step, clipping at 0.5); each step's mean
-    loss over all ranks."""
+    """The steps `first_step` (a checkpoint's, resumed from `ckpt_path`) to `first_step + steps` of the same loop under
+    the Trainer (one micro-batch per step, clipping at 0.5); each step's mean loss over all ranks."""
     pl.seed_everything(7)
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=ZoffStrategy(start_method="fork"),
-                         max_steps=steps, gradient_clip_val=0.5, callbacks=[LossFile(out / "losses.json"), *callbacks],
+                         max_steps=first_step + steps, gradient_clip_val=0.5,
+                         callbacks=[LossFile(out / "losses.json"), *callbacks],
                          logger=False, enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=bool(callbacks), use_distributed_sampler=False)
     trainer.fit(FabricTiny(), trainer_loader(first_step, steps, devices), ckpt_path=ckpt_path)
-    return json.loads((out / "losses.json").read_text())
+    ran = json.loads((out / "losses.json").read_text())
+    assert ran["global_step"] == first_step + steps  # the count went on from the checkpoint's
+    return ran["losses"]
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +160,20 @@ def test_fabric_checkpoint_resumes_on_three_ranks_in_fabric_and_in_the_trainer(f
     assert rel_err(mean_losses(fabric), expected) < 1e-5
     trainer = trainer_fit(tmp_path, 3, SAVED_AT, STEPS - SAVED_AT, ckpt_path=path)
     assert rel_err(trainer, expected) < 1e-5
+
+
+def test_a_fabric_checkpoint_without_a_step_count_is_refused_by_the_trainer_before_any_rank_starts(fabric_run,
+                                                                                                    tmp_path):
+    path = tmp_path / "no_step.ckpt"
+    shutil.copytree(fabric_run[0], path)
+    meta = torch.load(path / "meta.pt", weights_only=False)
+    del meta["global_step"]  # what fabric.save(path, {"model": model, "optimizer": optimizer}) writes
+    torch.save(meta, path / "meta.pt")
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ZoffStrategy(start_method="fork"), max_steps=2,
+                         logger=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match=r"no_step\.ckpt: holds no step count .*'global_step'.* every step again"):
+        trainer.fit(FabricTiny(), trainer_loader(0, 2, 2), ckpt_path=path)
+    assert trainer.strategy.launcher.procs == []  # no rank started
 
 
 def test_trainer_checkpoint_resumes_on_three_ranks_in_fabric(fabric_run, tmp_path):

@@ -142,3 +142,27 @@ def test_the_first_failing_rank_of_a_node_claims_the_message(tmp_path, monkeypat
     assert (board / "first").read_text() == "1"
     assert not rank_errors._claim(board, 0)  # rank 1 was first: rank 0 stays quiet
     assert rank_errors._claim(tmp_path / "gone", 0)  # no board (its run ended well): nobody else speaks
+
+
+@pytest.mark.parametrize("ranks", ["forked", "started_outside"])
+def test_a_missing_ckpt_path_is_refused_before_any_rank_sets_up(tmp_path, monkeypatch, ranks):
+    """Forked ranks, and ranks started outside the launcher (torchrun, SLURM, or this process as rank 0 after an
+    earlier fit of Lightning's default launcher, which leaves LOCAL_RANK set): refused before any process group, with
+    a relative path."""
+    if ranks == "started_outside":
+        for key, value in {"LOCAL_RANK": "0", "NODE_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": "29533"}.items():
+            monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)
+
+    def no_rank(*args, **kwargs):
+        raise AssertionError("a rank started")
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", no_rank)
+    fit = pl.Trainer(accelerator="cpu", devices=2 if ranks == "forked" else 1, max_steps=1, logger=False,
+                     enable_progress_bar=False, enable_model_summary=False,
+                     strategy=ZoffStrategy(start_method="fork" if ranks == "forked" else "subprocess"))
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"^missing\.ckpt: no such checkpoint"):
+        fit.fit(TinyModule(), token_loader(n=8), ckpt_path="missing.ckpt")
+    assert time.perf_counter() - start < 1

@@ -81,3 +81,18 @@ def test_a_full_checkpoint_file_resumes_too(tmp_path, whole):
     assert checkpoint.is_file()  # one torch.save file from rank 0
     resumed = run_dir_of(train(tmp_path, *RUN, f"ckpt_path={checkpoint}"))
     assert_continues(resumed, whole)
+
+
+def test_ctrl_c_prints_the_last_checkpoint_and_the_command_that_resumes_it(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), *RUN,
+                           "callbacks=[{_target_:stop_job.InterruptAfterStep,step:3}]"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, start_new_session=True)
+    assert proc.returncode != 0
+    [checkpoint] = (tmp_path / "outputs").glob("*/*/checkpoints/last.ckpt")
+    shown = checkpoint.relative_to(tmp_path)
+    said = [line for line in proc.stderr.splitlines() if line.startswith("interrupted: ")]
+    assert said == [f"interrupted: the last checkpoint is {shown} (step 3); resume it with"], proc.stderr[-3000:]
+    command = proc.stderr.split(said[0] + "\n", 1)[1].splitlines()[0]
+    assert command.startswith(f"  python {ROOT / 'scripts' / 'train.py'} trainer.max_steps=6 ")
+    assert command.endswith(f" ckpt_path={shown}")

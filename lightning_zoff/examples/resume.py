@@ -4,17 +4,23 @@ load into this model, and whether the run has anything left to train. Each refus
 
 A checkpoint is read for its metadata only: meta.pt of a sharded directory, or a full file memory-mapped (no tensor is
 read). `ckpt_path=last` is the newest `checkpoints/last.ckpt` under outputs/ whose job trained this model: the same
-composed `model` configuration in the job's `.hydra/config.yaml` (Hydra writes it next to `checkpoints/`).
+composed `model` configuration in the job's `.hydra/config.yaml` (Hydra writes it next to `checkpoints/`). On Ctrl-C
+the job says which checkpoint to resume and how (`ResumeOnInterrupt`).
 """
 
 from __future__ import annotations
 
+import os
+import shlex
+import sys
 from pathlib import Path
 from typing import Any, cast
 
+import lightning.pytorch as pl
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_zoff.checkpoint import files as checkpoint_files
+from lightning_zoff.trainer.loops import fabric_step_count
 
 
 def find_checkpoint(ckpt_path: str, outputs: Path, model: DictConfig, model_choice: str) -> Path:
@@ -56,7 +62,9 @@ def read_checkpoint(path: Path, label: str, expected: dict[str, list[int]] | Non
 
 
 def check_trains(checkpoint: dict[str, Any], trainer: DictConfig, label: str) -> None:
-    """Refuse a resume that would stop at once: the checkpoint already at `trainer.max_steps` (or `max_epochs`)."""
+    """Refuse a resume that would stop at once: the checkpoint already at `trainer.max_steps` (or `max_epochs`), or
+    that would train every step again: a checkpoint of `fabric.save` that holds no step count (`fabric_step_count`)."""
+    fabric_step_count(checkpoint, label)
     step, epoch = checkpoint.get("global_step", 0), checkpoint.get("epoch", 0)
     max_steps, max_epochs = trainer.get("max_steps", -1), trainer.get("max_epochs")
     if max_steps is not None and 0 <= max_steps <= step:
@@ -101,3 +109,26 @@ def _described(checkpoint: Path, wanted: dict, model_choice: str) -> str:
 def _shown(path: Path) -> str:
     """`path` relative to the working directory where it is inside it."""
     return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
+
+
+class ResumeOnInterrupt(pl.Callback):
+    """On Ctrl-C (KeyboardInterrupt), the main process prints where the run can go on from: the last checkpoint at
+    `path` and its step, and `command` with `ckpt_path=` that resumes it; or that none was saved yet. Once: the ranks
+    (forked from the main process, or started by it) have their own interrupt and stay silent."""
+
+    def __init__(self, path: Path | None, command: list[str]) -> None:
+        self.path, self.command, self.pid = path, command, os.getpid()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if not isinstance(exception, KeyboardInterrupt) or os.getpid() != self.pid:
+            return
+        if self.path is None or not self.path.exists():
+            print("interrupted before any checkpoint was saved: nothing to resume", file=sys.stderr, flush=True)
+            return
+        try:
+            step = f" (step {checkpoint_files.read(self.path).get('global_step')})"
+        except checkpoint_files.CheckpointError:
+            step = ""
+        kept = [arg for arg in self.command if not arg.startswith(("ckpt_path=", "+ckpt_path="))]
+        print(f"interrupted: the last checkpoint is {_shown(self.path)}{step}; resume it with\n  "
+              + shlex.join([*kept, f"ckpt_path={_shown(self.path)}"]), file=sys.stderr, flush=True)

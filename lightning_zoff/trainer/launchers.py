@@ -36,6 +36,7 @@ from lightning_zoff.checkpoint import files as checkpoint_files
 from lightning_zoff.launch.rank_errors import prepare_node
 from lightning_zoff.sharding import param_names
 from lightning_zoff.trainer.checks import check_configured_optimizers, check_supported
+from lightning_zoff.trainer.loops import fabric_step_count
 
 # Set on the main process's LightningModule after a fit whose trained weights stayed in the ranks: it still holds
 # the weights it had before that fit. Loading weights into it clears the mark.
@@ -51,8 +52,10 @@ class ZoffSubprocessScriptLauncher(SubprocessScriptLauncher):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        if self.cluster_environment.creates_processes_externally:  # the ranks run already (a later fit or test)
-            _check_supported(trainer)
+        if self.cluster_environment.creates_processes_externally:
+            # the ranks run already: a later fit or test of a run this launcher started (this process is rank 0 and
+            # holds LOCAL_RANK since), or torchrun's, SLURM's. Each rank checks for itself, before its setup.
+            _check_before_ranks_start(trainer, function, args, kwargs, optimizers=False)
         else:
             # This process becomes rank 0 and would run configure_optimizers itself: running it here first differs
             # from that only in coming before the other ranks start.
@@ -169,16 +172,11 @@ class ZoffMultiProcessingLauncher(MultiProcessingLauncher):
         super()._recover_results_in_main_process(worker_output, trainer)
 
 
-def _check_supported(trainer: Any) -> None:
-    # what the strategy's setup would refuse in every rank, known here already: refused before any rank starts
-    if trainer is not None and trainer.lightning_module is not None:
-        check_supported(trainer, trainer.lightning_module)
-
-
 def _check_before_ranks_start(trainer: Any, function: Callable, args: Any, kwargs: Any, optimizers: bool) -> None:
     """Refuse here what every rank would: the Trainer's settings and the model (`check_supported`), the optimizer
-    (`optimizers`: see `check_configured_optimizers`) and a `ckpt_path` that names no checkpoint zoff can load. The
-    refusal's message says it all, so it comes without the frames of the checks."""
+    (`optimizers`: see `check_configured_optimizers`), a `ckpt_path` that names no checkpoint zoff can load and, to
+    resume a fit, one that holds no step count (`fabric_step_count`). The refusal's message says it all, so it comes
+    without the frames of the checks."""
     if trainer is None or trainer.lightning_module is None:
         return
     call = inspect.signature(function).bind(*args, **kwargs).arguments
@@ -189,6 +187,8 @@ def _check_before_ranks_start(trainer: Any, function: Callable, args: Any, kwarg
             check_configured_optimizers(trainer.lightning_module)
         if path is not None:
             checkpoint_files.check_loadable(path, call.get("weights_only"))
+            if trainer.state.fn == TrainerFn.FITTING and path.exists():  # not a save to recover: `check_loadable`
+                fabric_step_count(checkpoint_files.read(path, call.get("weights_only")), path)
     except (ValueError, TypeError, checkpoint_files.CheckpointError) as refusal:
         raise refusal.with_traceback(None) from None
 

@@ -21,6 +21,7 @@ from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
 from lightning_zoff._compat_lightning import (
+    set_strategy_launcher,
     set_strategy_precision_plugin,
     strategy_precision_plugin,
 )
@@ -33,6 +34,7 @@ from lightning_zoff.launch.cpus import CpuLayout
 from lightning_zoff.trainer.checks import check_predict_batches, check_supported
 from lightning_zoff.trainer.launchers import ZoffMultiProcessingLauncher, ZoffSubprocessScriptLauncher
 from lightning_zoff.trainer.loaders import check_counted, loader_workers
+from lightning_zoff.trainer.loops import continue_step_count, fabric_step_count
 from lightning_zoff.trainer.precision import ZoffPrecision
 from lightning_zoff.trainer.schedulers import SkipAwareScheduler
 
@@ -108,6 +110,16 @@ class ZoffStrategy(FrontDoor, ParallelStrategy):
         set_strategy_precision_plugin(self, plugin)
 
     # -- processes ------------------------------------------------------------------------------------------
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self.launcher is None:
+            # ranks started outside (torchrun, SLURM, or this process is rank 0 of an earlier fit's launch): the
+            # script launcher starts none then, and checks in every rank what can be refused before setup
+            assert self.cluster_environment is not None
+            launcher = self.script_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
+            set_strategy_launcher(self, launcher)
 
     @property
     def is_distributed(self) -> bool:
@@ -267,7 +279,11 @@ class ZoffStrategy(FrontDoor, ParallelStrategy):
         # Restores the weights (and, when fitting, the optimizer state) right here; Lightning restores the rest
         # (loops, LR schedulers, callbacks, loss scaler) from the dict returned.
         fitting = self.module.trainer.state.fn == TrainerFn.FITTING and self.engine is not None
-        return self._training().load(checkpoint_path, self.optimizers[0] if fitting else None, weights_only)
+        checkpoint = self._training().load(checkpoint_path, self.optimizers[0] if fitting else None, weights_only)
+        step = fabric_step_count(checkpoint, checkpoint_path) if fitting else None
+        if step is not None:  # written by fabric.save: no loops for Lightning to restore
+            continue_step_count(self.module.trainer.fit_loop, step)
+        return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
