@@ -8,6 +8,8 @@ lists every field (tests/test_config.py holds them to it).
 
 from __future__ import annotations
 
+import inspect
+import textwrap
 from collections.abc import Callable, Iterable
 from dataclasses import MISSING, dataclass, field, fields
 from datetime import timedelta
@@ -30,6 +32,9 @@ def option(default: Any, doc: str) -> Any:
 
 @dataclass(frozen=True)
 class ZoffConfig:
+    """zoff's options, as `ZoffStrategy(**options)` and `ZoffFabricStrategy(**options)` take them; a value it does
+    not accept raises TypeError or ValueError naming the option and what it accepts."""
+
     offload: bool = option(True, "fp32 master weights and optimizer state on the host, updated by the CPU; false: on"
                                  " the accelerator (`\"zoff_no_offload\"`)")
     accelerator_state: str | float = option(
@@ -161,6 +166,22 @@ def _classes(name: str, value: Any) -> frozenset[type[nn.Module]]:
     return classes
 
 
+def options_doc() -> str:
+    """The Google-style "Args:" section of every option, from the fields' docs: what `help()`, pydoc and the CLI's
+    `--help` (jsonargparse reads it) show for each option of the classes `with_options_doc` marks."""
+    lines = ["Args:"]
+    for f in fields(ZoffConfig):
+        lines += textwrap.wrap(f"{f.name}: {f.metadata['doc']}", width=116, initial_indent="    ",
+                               subsequent_indent="        ", break_on_hyphens=False)
+    return "\n".join(lines)
+
+
+def with_options_doc(cls: type) -> type:
+    """`cls` with `options_doc()` after its docstring: the option meanings have one source, the fields' docs."""
+    cls.__doc__ = f"{inspect.cleandoc(cls.__doc__ or '')}\n\n{options_doc()}\n"
+    return cls
+
+
 def defaults() -> dict[str, Any]:
     return {f.name: f.default for f in fields(ZoffConfig) if f.default is not MISSING}
 
@@ -172,6 +193,9 @@ def markdown_table() -> str:
         default = "30 min" if isinstance(f.default, timedelta) else f"`{f.default!r}`"
         rows.append(f"| `{f.name}` | {default} | {f.metadata['doc']} |")
     return "\n".join(rows)
+
+
+with_options_doc(ZoffConfig)
 
 
 if __name__ == "__main__":

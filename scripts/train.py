@@ -35,6 +35,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.fabric.accelerators.cuda import num_cuda_devices
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_zoff import ZoffStatsMonitor, ZoffStrategy  # importing the package registers the "zoff" strategy names
@@ -44,7 +45,8 @@ from lightning_zoff.examples.progress import progress_bar
 from lightning_zoff.examples.quiet import QuietRanks, quiet
 from lightning_zoff.examples.report import LossHistory, StepBreakdown, readable
 from lightning_zoff.optim import update_rule_for
-from train_overrides import unknown_keys
+from lightning_zoff.precision_math import SUPPORTED_PRECISION
+from train_overrides import hydra_refusal, unknown_keys
 
 
 class LastCheckpoint(pl.Callback):
@@ -156,6 +158,40 @@ def build_strategy(options: DictConfig) -> pl.strategies.Strategy:
         raise ValueError(f"strategy.{message}" if key in options else f"strategy: {message}") from None
 
 
+def build_trainer(options: dict, **objects) -> pl.Trainer:
+    """The Trainer of `options` (cfg.trainer) and the job's `objects`; a value it refuses raises ValueError naming its
+    trainer.* key."""
+    precision = options.get("precision")
+    if isinstance(objects.get("strategy"), ZoffStrategy) and precision not in (None, *SUPPORTED_PRECISION):
+        raise ValueError(f"trainer.precision={precision}: zoff trains in {', '.join(SUPPORTED_PRECISION)}")
+    try:
+        return pl.Trainer(**objects, **options)
+    except (TypeError, ValueError, MisconfigurationException) as err:
+        raise ValueError(named_value("trainer", options, err)) from None
+
+
+def check_model(options: DictConfig, optimizer_factory) -> None:
+    """Build the model on the meta device (no memory, no values): a value its constructor refuses raises ValueError
+    naming its model.* key."""
+    try:
+        with torch.device("meta"):
+            instantiate(options, optimizer=optimizer_factory)
+    except InstantiationException as err:
+        if not isinstance(err.__cause__, (TypeError, ValueError)):
+            raise
+        raise ValueError(named_value("model", options, err.__cause__)) from None
+
+
+def named_value(section: str, options, err: Exception) -> str:
+    """`err`'s message on one line after the `section.key=value` it is about: the key the message names (one the
+    command line set first), else the one key of `section` the command line set, else `section` alone."""
+    message = " ".join(str(err).split())
+    named = [key for key in options if re.search(rf"\b{key}\b", message)]
+    given = [key for key in options if f"{section}.{key}=" in " ".join(HydraConfig.get().overrides.task)]
+    keys = [key for key in named if key in given] or named or (given if len(given) == 1 else [])
+    return f"{section}.{keys[0]}={options[keys[0]]}: {message}" if keys else f"{section}: {message}"
+
+
 def checked_checkpoint(cfg: DictConfig, strategy: pl.strategies.Strategy, optimizer_factory) -> Path:
     """The checkpoint `cfg.ckpt_path` names, checked as every rank would check it and against what this run would
     train (see `resume`). zoff's checkpoints are compared with the model built on the meta device: no memory."""
@@ -222,10 +258,10 @@ def main(cfg: DictConfig) -> None:
         datamodule = build_data(cfg)
         check_optimizer(strategy, optimizer_factory, HydraConfig.get().runtime.choices.get("optimizer"))
         check_empty_init(strategy, cfg.empty_init)
+        check_model(cfg.model, optimizer_factory)
         ckpt_path = checked_checkpoint(cfg, strategy, optimizer_factory) if cfg.ckpt_path else None
     except ValueError as err:  # a value of the command line, named by the message
         refuse(str(err), run_dir)
-    pl.seed_everything(cfg.seed, workers=True)
     history, breakdown = LossHistory(), StepBreakdown()
     last = run_dir / "checkpoints" / "last.ckpt" if cfg.save_checkpoint else None
     # the checkpoint after the step's loss is in the history, and before Finish samples at the end
@@ -237,13 +273,13 @@ def main(cfg: DictConfig) -> None:
                  Finish(cfg, run_dir, history, breakdown, last), progress_bar(), *instantiate(cfg.callbacks)]
     # max_epochs null: Lightning lets max_steps govern (max_epochs -1), so a resumed run trains on to max_steps
     trainer_options = OmegaConf.to_container(cfg.trainer)
-    trainer = pl.Trainer(
-        strategy=strategy,
-        callbacks=callbacks,
-        default_root_dir=run_dir,
-        logger=trainer_options.pop("logger", None) or CSVLogger(run_dir, name="lightning_logs"),
-        **trainer_options,
-    )
+    logger = trainer_options.pop("logger", None) or CSVLogger(run_dir, name="lightning_logs")
+    try:
+        trainer = build_trainer(trainer_options, strategy=strategy, callbacks=callbacks, default_root_dir=run_dir,
+                                logger=logger)
+    except ValueError as err:
+        refuse(str(err), run_dir)
+    pl.seed_everything(cfg.seed, workers=True)  # after the Trainer: a refused one prints its error line alone
     # Only with empty_init: otherwise init_module would build on the root device, and a CUDA parent cannot fork
     with trainer.init_module(empty_init=True) if cfg.empty_init else contextlib.nullcontext():
         model = instantiate(cfg.model, optimizer=optimizer_factory)
@@ -259,6 +295,10 @@ if __name__ == "__main__":
     unknown = unknown_keys(sys.argv[1:])
     if unknown:
         print("\n".join(unknown), file=sys.stderr)
+        sys.exit(2)
+    refused = hydra_refusal(sys.argv[1:])  # Hydra's own errors, in one line: it would print 13 and exit 1
+    if refused:
+        print(f"error: {refused}", file=sys.stderr)
         sys.exit(2)
     quiet()  # Lightning's tips and third-party deprecation warnings (forked ranks inherit it; QuietRanks: every rank)
     main()

@@ -12,7 +12,8 @@ The loop is LitGPT's pretraining loop, shortened: the model built under `fabric.
         --strategy zoff --json out.json                                          # a GPU; --strategy fsdp to compare
 
 Prints each logged step's loss and time, then a one-line summary (s/step: the median after `--warmup` steps); with
-`--json`, writes the run's numbers. Needs `pip install litgpt` (the `litgpt` extra).
+`--json`, writes the run's numbers. Needs `pip install --no-deps 'litgpt==0.5.13'` (its pins would move packages the
+rest uses).
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
@@ -86,3 +89,62 @@ def _arguments(parent: str, node: DictConfig) -> Arguments | None:
         return None
     parameters = inspect.signature(target).parameters
     return Arguments(set(parameters), any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()))
+
+
+# flags that change which configuration Hydra composes, or that compose none: the check below leaves those to Hydra
+OTHER_CONFIG = ("--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd", "--help", "-h", "--hydra-help",
+                "--info", "-i", "--shell-completion", "-sc")
+
+
+def hydra_refusal(argv: list[str]) -> str | None:
+    """Hydra's own refusal of `argv` in one line (Hydra prints 13 and exits 1), or None where the configuration
+    composes: an override it cannot parse, a group option that does not exist (named with the options there), a sweep
+    without -m. Under -m every value of a swept override is composed, each with the others' first values; glob and
+    interval sweeps are Hydra's to check."""
+    if any(arg.split("=", 1)[0] in OTHER_CONFIG for arg in argv):
+        return None
+    overrides = [arg for arg in argv if "=" in arg and not arg.startswith("-")]
+    parser = OverridesParser.create()
+    parsed = []
+    for arg in overrides:
+        try:
+            parsed += parser.parse_overrides([arg])
+        except OverrideParseException as err:
+            return f"Hydra cannot read '{arg}': {str(err).splitlines()[0]} (see Hydra's override grammar)"
+    variants = [overrides]
+    if "-m" in argv or "--multirun" in argv:
+        lines = [_lines(override) for override in parsed]
+        first = [choices[0] for choices in lines if choices]
+        variants = [first]
+        for i, choices in enumerate(line for line in lines if line):
+            variants += [[*first[:i], choice, *first[i + 1:]] for choice in choices[1:]]
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            for variant in variants:
+                compose("train", overrides=variant)
+    except MissingConfigException as err:
+        if err.options is None or err.missing_cfg_file is None:
+            return _one_line(err)
+        group, _, name = err.missing_cfg_file.rpartition("/")
+        return f"{group}={name}: no such option; {group} has: {', '.join(err.options)}"
+    except HydraException as err:
+        return _one_line(err)
+    return None
+
+
+def _lines(override: Override) -> list[str]:
+    """The overrides a -m command line's `override` stands for in turn ([] for a sweep Hydra expands itself)."""
+    if not override.is_sweep_override():
+        return [override.input_line]
+    try:
+        return [f"{override.get_key_element()}={value}" for value in override.sweep_string_iterator()]
+    except Exception:  # glob (needs the config loader), interval (a sweeper's to sample)
+        return []
+
+
+def _one_line(err: Exception) -> str:
+    """Hydra's message and its cause's, on one line, without the config search path it appends."""
+    lines = [line.strip() for line in str(err).split("\nConfig search path:")[0].splitlines() if line.strip()]
+    if err.__cause__ is not None:
+        lines.append(str(err.__cause__).splitlines()[0])
+    return "; ".join(lines)

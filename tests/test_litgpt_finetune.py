@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import litgpt  # .ci/run installs it (pip install --no-deps litgpt)
+import litgpt  # .ci/run installs it (pip install --no-deps 'litgpt==0.5.13')
 import torch
 from lightning.fabric import Fabric
 from litgpt.args import EvalArgs, TrainArgs

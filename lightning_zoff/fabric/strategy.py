@@ -36,7 +36,7 @@ from lightning_zoff._compat_lightning import (
     set_fabric_strategy_precision,
 )
 from lightning_zoff.checks import check_accum_dtype, check_optimizers
-from lightning_zoff.config import ZoffConfig
+from lightning_zoff.config import ZoffConfig, with_options_doc
 from lightning_zoff.contract import Core
 from lightning_zoff.doors import FrontDoor
 from lightning_zoff.fabric import checkpoints
@@ -46,10 +46,14 @@ from lightning_zoff.launch.cpus import CpuLayout
 from lightning_zoff.sharding import param_names
 
 
+@with_options_doc
 class ZoffFabricStrategy(FrontDoor, ParallelStrategy):
-    """ZeRO-3 training under Fabric: FSDP2 shards parameters on the accelerator; fp32 master and optimizer state live
-    per rank on the host (``offload=True``), updated by the CPU, or on the accelerator. Each keyword option is a field
-    of `ZoffConfig` (`lightning_zoff.config`), as for `ZoffStrategy`; `self.config` holds them."""
+    """ZeRO-3 training for Fabric with the optimizer on the CPU: `Fabric(strategy=ZoffFabricStrategy(**options))`.
+
+    FSDP2 shards parameters on the accelerator; fp32 master and optimizer state live per rank on the host
+    (``offload=True``), updated by the CPU, or on the accelerator. Each keyword option is a field of `ZoffConfig`
+    (`lightning_zoff.config`), as for `ZoffStrategy`; `self.config` holds them. The options' meanings below are the
+    fields' docs."""
 
     script_launcher = FabricSubprocessScriptLauncher
     process_launcher = FabricMultiProcessingLauncher

@@ -26,7 +26,7 @@ from lightning_zoff._compat_lightning import (
     strategy_precision_plugin,
 )
 from lightning_zoff.checks import ONE_OPTIMIZER, check_accum_dtype, check_optimizers
-from lightning_zoff.config import ParamInitFn, StartMethod, ZoffConfig
+from lightning_zoff.config import ParamInitFn, StartMethod, ZoffConfig, with_options_doc
 from lightning_zoff.contract import Core
 from lightning_zoff.doors import FrontDoor
 from lightning_zoff.launch import ranks
@@ -39,10 +39,14 @@ from lightning_zoff.trainer.precision import ZoffPrecision
 from lightning_zoff.trainer.schedulers import SkipAwareScheduler
 
 
+@with_options_doc
 class ZoffStrategy(FrontDoor, ParallelStrategy):
-    """ZeRO-3 training: FSDP2 shards parameters on the accelerator; fp32 master and optimizer state live per rank on
-    the host (``offload=True``), updated by the CPU, or on the accelerator. Each keyword option is a field of
-    `ZoffConfig` (`lightning_zoff.config`), which documents and checks it; `self.config` holds them."""
+    """ZeRO-3 training for the Trainer with the optimizer on the CPU: `Trainer(strategy=ZoffStrategy(**options))`.
+
+    FSDP2 shards parameters on the accelerator; fp32 master and optimizer state live per rank on the host
+    (``offload=True``), updated by the CPU, or on the accelerator. Each keyword option is a field of `ZoffConfig`
+    (`lightning_zoff.config`), which documents and checks it; `self.config` holds them. The options' meanings below
+    are the fields' docs."""
 
     strategy_name = "zoff"
     script_launcher = ZoffSubprocessScriptLauncher
