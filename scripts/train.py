@@ -23,8 +23,10 @@ import re
 import resource
 import shutil
 import sys
+import types
+import typing
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import hydra
 import lightning.pytorch as pl
@@ -161,13 +163,50 @@ def build_strategy(options: DictConfig) -> pl.strategies.Strategy:
 def build_trainer(options: dict, **objects) -> pl.Trainer:
     """The Trainer of `options` (cfg.trainer) and the job's `objects`; a value it refuses raises ValueError naming its
     trainer.* key."""
-    precision = options.get("precision")
-    if isinstance(objects.get("strategy"), ZoffStrategy) and precision not in (None, *SUPPORTED_PRECISION):
-        raise ValueError(f"trainer.precision={precision}: zoff trains in {', '.join(SUPPORTED_PRECISION)}")
+    hints = typing.get_type_hints(pl.Trainer.__init__)
+    for key, value in options.items():
+        if key in hints and not fits(value, hints[key]):
+            accepted = readable_type(hints[key])
+            if key == "precision" and isinstance(objects.get("strategy"), ZoffStrategy):
+                accepted = f"one of zoff's {', '.join(map(repr, SUPPORTED_PRECISION))}"
+            raise ValueError(f"trainer.{key}={value}: expected {accepted}")
     try:
         return pl.Trainer(**objects, **options)
     except (TypeError, ValueError, MisconfigurationException) as err:
         raise ValueError(named_value("trainer", options, err)) from None
+
+
+def fits(value: Any, hint: Any) -> bool:
+    """Whether a configuration value (YAML's: numbers, strings, booleans, null, lists, mappings) is of the type `hint`
+    of a Trainer argument; other types (a Logger, a timedelta) are for the Trainer to check."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(fits(value, arg) for arg in args)
+    if origin is typing.Literal:
+        return value in args and not isinstance(value, bool)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin in (list, dict):
+        return isinstance(value, origin)
+    return True
+
+
+def readable_type(hint: Any) -> str:
+    """`hint` as the configuration writes values: `int or null`, `one of '16-mixed', 'bf16-mixed', ...`."""
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    literal_args = [arg for arg in args if typing.get_origin(arg) is typing.Literal]
+    literals = [repr(value) for arg in literal_args for value in typing.get_args(arg)]
+    others = ["null" if arg is type(None) else getattr(arg, "__name__", str(arg)) for arg in args
+              if arg not in literal_args]
+    return " or ".join([*(["one of " + ", ".join(literals)] if literals else []), *others])
 
 
 def check_model(options: DictConfig, optimizer_factory) -> None:

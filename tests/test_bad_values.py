@@ -19,11 +19,14 @@ from train_overrides import hydra_refusal
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["trainer.precision=64-true"],
-     "error: trainer.precision=64-true: zoff trains in 32-true, bf16-mixed, bf16-true, 16-mixed, 16-true"),
-    (["trainer.precision=bf16-mixd"], "error: trainer.precision=bf16-mixd: zoff trains in 32-true, bf16-mixed, "),
+    (["trainer.precision=64-true"], ("error: trainer.precision=64-true: zoff does not support precision='64-true'. "
+                                    "Choose one of ('32-true', 'bf16-mixed', 'bf16-true', '16-mixed', '16-true')")),
+    (["trainer.precision=bf16-mixd"], ("error: trainer.precision=bf16-mixd: expected one of zoff's '32-true', "
+                                      "'bf16-mixed', 'bf16-true', '16-mixed', '16-true'")),
     (["strategy=ddp", "trainer.precision=bf16-mixd"],
-     "error: trainer.precision=bf16-mixd: Precision 'bf16-mixd' is invalid. Allowed precision values: ("),
+     "error: trainer.precision=bf16-mixd: expected one of 64, 32, 16, 'transformer-engine', "),
+    (["trainer.accumulate_grad_batches=two"], "error: trainer.accumulate_grad_batches=two: expected int"),
+    (["trainer.log_every_n_steps=x"], "error: trainer.log_every_n_steps=x: expected int or null"),
     (["trainer.devices=0"], "error: trainer.devices=0: `Trainer(devices=0)` value is not a valid input"),
     (["model.n_layer=abc"], "error: model.n_layer=abc: "),
     # Hydra's own: an option that does not exist, an override it cannot read, a sweep without -m
