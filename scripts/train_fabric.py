@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 
 from lightning_zoff import ZoffFabricStrategy
 from lightning_zoff.examples import resume
+from train_overrides import hydra_refusal, unknown_keys
 
 
 def train(fabric: Fabric, cfg: DictConfig, run_dir: Path, ckpt_path: Path | None) -> None:
@@ -99,4 +100,10 @@ def main(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     if num_cuda_devices() > 0 and not any(a.startswith(("trainer=", "+trainer=")) for a in sys.argv[1:]):
         sys.argv.append("trainer=gpu")  # as scripts/train.py chooses
+    # the main job's door: unknown keys, then Hydra's own errors, in a line each, exit status 2
+    unknown = unknown_keys(sys.argv[1:])
+    refused = None if unknown else hydra_refusal(sys.argv[1:])
+    if unknown or refused:
+        print("\n".join(unknown) if unknown else f"error: {refused}", file=sys.stderr)
+        sys.exit(2)
     main()

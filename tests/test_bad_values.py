@@ -9,9 +9,12 @@ loaded), the CLI's in this process; no rank starts.
 from __future__ import annotations
 
 import re
+import runpy
+import sys
 
 import pytest
 
+import test_main_job_second_day
 from lightning_zoff.cli import main as cli_main, short_parse_error
 from test_cli import CLI
 from test_main_job_second_day import assert_refused
@@ -42,6 +45,21 @@ def test_a_bad_value_of_the_main_job_is_one_line_and_exit_status_2(tmp_path, arg
     assert line.startswith(message), line
     assert not (tmp_path / "outputs").exists()
     assert not (tmp_path / "multirun").exists()
+
+
+def test_the_fabric_job_has_the_main_job_s_door(tmp_path, monkeypatch):
+    def run_fabric_job(*args: str) -> int:
+        sys.argv = [str(test_main_job_second_day.ROOT / "scripts" / "train_fabric.py"), *args]
+        try:
+            runpy.run_path(sys.argv[0], run_name="__main__")
+        except SystemExit as exit_:
+            return exit_.code if isinstance(exit_.code, int) else 1
+        finally:
+            sys.stderr.flush()
+        return 0
+
+    monkeypatch.setattr(test_main_job_second_day, "run_script", run_fabric_job)  # run_refused forks and runs this
+    assert assert_refused(tmp_path, "strategy=zof").startswith("error: strategy=zof: no such option; strategy has: ")
 
 
 def test_hydra_refusal_composes_every_value_of_a_sweep_and_leaves_good_commands_alone():
