@@ -32,11 +32,12 @@ def test_fit_from_yaml_with_the_strategy_name(tmp_path):
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
-    # both ranks set up the offload engine; the first rank of the node reports for both, once: the memory and where
-    # the optimizer state is
+    # both ranks set up the offload engine; the first rank of the node reports for both, once: the memory, what it
+    # keeps for the rest of the process tree and where the optimizer state is
     assert out.count("zoff ranks 0-1: host ") == 1
+    assert out.count("zoff ranks 0-1: host: ") == 1
     assert out.count("zoff ranks 0-1: state: ") == 1
-    assert out.count("zoff ranks 0-1:") == 2
+    assert out.count("zoff ranks 0-1:") == 3
     assert "zoff rank 1" not in out
     assert "`Trainer.fit` stopped: `max_steps=3` reached." in out
     # the main job's progress bar and quiet output: no last epoch of -1 (max_steps governs), no tips, no deprecation

@@ -18,6 +18,7 @@ from typing import Any, cast
 
 import lightning.pytorch as pl
 from omegaconf import DictConfig, OmegaConf
+from typing_extensions import override
 
 from lightning_zoff.checkpoint import files as checkpoint_files
 from lightning_zoff.trainer.loops import fabric_step_count
@@ -119,6 +120,7 @@ class ResumeOnInterrupt(pl.Callback):
     def __init__(self, path: Path | None, command: list[str]) -> None:
         self.path, self.command, self.pid = path, command, os.getpid()
 
+    @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if not isinstance(exception, KeyboardInterrupt) or os.getpid() != self.pid:
             return
