@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_zoff.checkpoint import files as checkpoint_files
+from lightning_zoff.checkpoint.pickling import UnpicklableCheckpoint, check_picklable
 from lightning_zoff.checkpoint.pretrained import read_weights, to_module_names
 from lightning_zoff.checkpoint.state import (
     StateMeshes,
@@ -70,9 +71,16 @@ class Checkpoints:
         group = self.group
         if storage_options is not None:
             raise TypeError("strategy='zoff' writes checkpoints itself and takes no storage_options.")
-        path = Path(group.broadcast(str(filepath)))  # every rank writes where rank 0 says
         checkpoint["zoff"] = checkpoint_files.zoff_info(checkpoint["state_dict"], self.config.state_dict_type,
                                                         group.world_size)
+        # Every rank writes where rank 0 says, and refuses what rank 0 cannot pickle before anything is written: a
+        # failed save leaves nothing behind, and no rank waits for one that failed.
+        refusal = check_picklable(checkpoint_files.pickled_part(checkpoint, self.config.state_dict_type)
+                                  ) if group.is_global_zero else None
+        where, refusal = group.broadcast((str(filepath), refusal))
+        if refusal is not None:
+            raise UnpicklableCheckpoint(refusal)
+        path = Path(where)
         if not self._full:
             checkpoint_files.save_sharded(checkpoint, path, group.global_rank, group.world_size, group.barrier)
         elif group.is_global_zero:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from lightning_zoff.checkpoint import dcp_files
+from lightning_zoff.checkpoint import dcp_files, pickling
 from lightning_zoff.checkpoint.files import (
     CheckpointError,
     check_complete,
@@ -32,6 +32,7 @@ from lightning_zoff.checkpoint.files import (
     read,
     remove,
 )
+from lightning_zoff.checkpoint.pickling import carried_tensors
 from lightning_zoff.checkpoint.rank_files import RankFileError, RankFiles, Staging
 
 # kept in the output next to the weights, so LightningModule.load_from_checkpoint works on it too
@@ -42,7 +43,8 @@ def consolidate(ckpt_dir: str | Path, out_file: str | Path, buffer_mb: int = 256
     src, out = Path(ckpt_dir), Path(out_file)
     if not src.is_dir():
         raise CheckpointError(f"{src}: not a sharded checkpoint directory")
-    checkpoint = read(src, weights_only=False)
+    with torch.device("meta"):  # modules in the hyperparameters come back without memory for their weights
+        checkpoint = read(src, weights_only=False)
     info = check_format(checkpoint, src)
     names = list(info["tensors"])
     check_complete(src, info)
@@ -65,11 +67,12 @@ def _write(checkpoint: dict[str, Any], src: Path, out: Path, names: list[str],
     # never touched, so never resident: only their sizes and dtypes reach the skeleton file
     skeleton = {"state_dict": {name: torch.empty(size, dtype=torch.float32 if dtype.is_floating_point else dtype)
                                for name, (size, dtype) in specs.items()}}
-    skeleton |= {k: checkpoint[k] for k in _LIGHTNING_KEYS if k in checkpoint and not _has_tensor(checkpoint[k])}
+    carried = {k: checkpoint[k] for k in _LIGHTNING_KEYS if k in checkpoint}
+    skeleton |= carried
     partial = partial_path(out)
     remove(partial)
     with torch.serialization.skip_data():
-        torch.save(skeleton, partial)
+        pickling.save(skeleton, partial)
     # on a terminal a bar redrawn in place; in a log (not a terminal) one update every 30 s, not many a second
     bar = tqdm(total=sum(t.nbytes for t in skeleton["state_dict"].values()), desc="consolidate", unit="B",
                unit_scale=True, unit_divisor=1024, disable=not progress, mininterval=0.1 if sys.stderr.isatty() else 30)
@@ -77,8 +80,14 @@ def _write(checkpoint: dict[str, Any], src: Path, out: Path, names: list[str],
     for batch in _batches(names, skeleton["state_dict"], buffer_mb << 20):
         # the file mapped shared: each tensor is read straight into its place in it. Mapped anew for each batch, so
         # the pages written so far leave this process and its memory stays one batch.
-        with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
-            in_file = torch.load(partial, mmap=True, weights_only=False)["state_dict"]  # the file just written
+        with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED), torch.device("meta"):
+            in_file = torch.load(partial, mmap=True, weights_only=False)  # the file just written
+        if carried:  # the hyperparameters' tensors with values (a module's buffers), skipped with the rest
+            places = carried_tensors({k: in_file[k] for k in carried})
+            for place, tensor in zip(places, carried_tensors(carried), strict=True):
+                place.copy_(tensor)
+            carried = {}
+        in_file = in_file["state_dict"]
         if files is None:
             dcp_files.load(src, {"state_dict": {name: in_file[name] for name in batch}})
         else:
@@ -90,14 +99,6 @@ def _write(checkpoint: dict[str, Any], src: Path, out: Path, names: list[str],
         os.fsync(f.fileno())  # the mapped pages written, like any other
     bar.close()
     commit(partial, out)
-
-
-def _has_tensor(obj: Any) -> bool:
-    if isinstance(obj, torch.Tensor):
-        return True
-    if isinstance(obj, dict):
-        return any(_has_tensor(v) for v in obj.values())
-    return isinstance(obj, (list, tuple)) and any(_has_tensor(v) for v in obj)
 
 
 def _batches(names: list[str], tensors: dict[str, torch.Tensor], budget: int) -> Iterator[list[str]]:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from lightning_zoff.checkpoint import dcp_files, rank_files
+from lightning_zoff.checkpoint import dcp_files, pickling, rank_files
 from lightning_zoff.checkpoint.rank_files import RankFileError, RankFiles, Rows, Staging
 
 FORMAT_VERSION = 2
@@ -93,7 +93,7 @@ def _fsync(path: Path) -> None:
 
 def _save_file(obj: Any, path: Path) -> None:
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        pickling.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
 
@@ -104,7 +104,11 @@ def save_full(checkpoint: dict[str, Any], path: Path) -> None:
     recover(path)
     partial = partial_path(path)
     remove(partial)
-    _save_file(checkpoint, partial)
+    try:
+        _save_file(checkpoint, partial)
+    except BaseException:
+        remove(partial)
+        raise
     commit(partial, path)
 
 
@@ -125,9 +129,18 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, rank: int, world_size: 
     if rank == 0:  # every rank's file is written
         names = [rank_files.file_name(r) for r in range(world_size)]
         meta["zoff"] = {**meta["zoff"], "files": {name: (partial / name).stat().st_size for name in names}}
-        _save_file(meta, partial / META_FILE)
+        try:
+            _save_file(meta, partial / META_FILE)
+        except BaseException:
+            remove(partial)
+            raise
         commit(partial, path)
     barrier()
+
+
+def pickled_part(checkpoint: dict[str, Any], layout: str) -> dict[str, Any]:
+    """What of `checkpoint` a save of `layout` ("full" or "sharded") pickles: all of it, or what meta.pt holds."""
+    return checkpoint if layout == "full" else _split(checkpoint)[1]
 
 
 def _split(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
