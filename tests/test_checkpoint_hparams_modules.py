@@ -21,9 +21,6 @@ from lightning_zoff.checkpoint.consolidate import consolidate
 from lightning_zoff.checkpoint.pickling import UnpicklableCheckpoint
 
 EPOCHS = 3
-# Lightning 2.6.6 passes no `weights_only` to strategies that restore after setup (trainer.py `_run`), zoff's among
-# them: the ranks load with torch's default (weights-only), which refuses the network's classes, as it does DDP's.
-WEIGHTS_ONLY_DROPPED = pytest.mark.xfail(strict=True, reason="the Trainer door must forward the user's weights_only")
 
 
 class TakesItsNetwork(pl.LightningModule):
@@ -129,20 +126,29 @@ def test_best_checkpoint_loads_as_the_users_network_with_ddps_outputs(ddp, zoff,
     torch.testing.assert_close(outputs, ddp_outputs, rtol=1e-5, atol=1e-5)
 
 
-@WEIGHTS_ONLY_DROPPED
-def test_resumes_from_the_best_checkpoint(zoff):
-    _, trained = zoff
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ZoffStrategy(start_method="fork"), logger=False,
-                         max_epochs=EPOCHS + 1, enable_progress_bar=False, enable_checkpointing=False)
+def resume(out: Path, strategy, trained: pl.Trainer) -> list[float]:
+    """One epoch more from `trained`'s best checkpoint: the validation losses from there on."""
+    out.mkdir()
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, max_epochs=EPOCHS + 1,
+                         enable_progress_bar=False, enable_checkpointing=False, callbacks=[ValLosses(out)])
     trainer.fit(TakesItsNetwork(TinyLM()), Tokens(), ckpt_path=trained.checkpoint_callback.best_model_path,
-                weights_only=False)
-    assert trainer.state.finished
+                weights_only=False)  # the checkpoint holds the user's network classes
+    return val_losses(out)
 
 
-@WEIGHTS_ONLY_DROPPED
-def test_tests_the_best_checkpoint(zoff):
-    _, trainer = zoff
-    trainer.test(TakesItsNetwork(TinyLM()), Tokens(), ckpt_path="best", weights_only=False)
+def test_resumes_from_the_best_checkpoint_as_ddp_does(ddp, zoff, tmp_path):
+    (_, ddp_trainer), (_, zoff_trainer) = ddp, zoff
+    ours = resume(tmp_path / "zoff", ZoffStrategy(start_method="fork"), zoff_trainer)
+    theirs = resume(tmp_path / "ddp", DDPStrategy(start_method="fork"), ddp_trainer)
+    assert len(ours) == EPOCHS - best_epoch(zoff_trainer)  # from the epoch after the best one to the last
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_tests_the_best_checkpoint_as_ddp_does(ddp, zoff):
+    (_, ddp_trainer), (_, zoff_trainer) = ddp, zoff
+    ours, theirs = (trainer.test(TakesItsNetwork(TinyLM()), Tokens(), ckpt_path="best", weights_only=False)
+                    for trainer in (zoff_trainer, ddp_trainer))
+    torch.testing.assert_close(ours[0]["test_loss"], theirs[0]["test_loss"], rtol=1e-5, atol=1e-5)
 
 
 def test_unpicklable_hyperparameter_refused_in_one_line_leaving_nothing(tmp_path):

@@ -25,6 +25,7 @@ def run(tmp_path: Path, strategy: str) -> dict:
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "Starting with 2 processes" in proc.stdout + proc.stderr
+    assert f"checkpoint: {out / (strategy + '.ckpt')}" in proc.stdout  # where it saved, said once it is there
     return json.loads((out / "run.json").read_text())
 
 

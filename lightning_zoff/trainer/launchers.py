@@ -52,6 +52,7 @@ class ZoffSubprocessScriptLauncher(SubprocessScriptLauncher):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        _pass_weights_only(trainer, function, args, kwargs)
         if self.cluster_environment.creates_processes_externally:
             # the ranks run already: a later fit or test of a run this launcher started (this process is rank 0 and
             # holds LOCAL_RANK since), or torchrun's, SLURM's. Each rank checks for itself, before its setup.
@@ -68,6 +69,7 @@ class ZoffMultiProcessingLauncher(MultiProcessingLauncher):
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         # not configure_optimizers: with fork, whatever it touched (CUDA) would be the ranks' too
+        _pass_weights_only(trainer, function, args, kwargs)
         _check_before_ranks_start(trainer, function, args, kwargs, optimizers=False)
         if trainer is not None:
             _check_weights_current(function, args, kwargs, trainer)
@@ -191,6 +193,14 @@ def _check_before_ranks_start(trainer: Any, function: Callable, args: Any, kwarg
                 fabric_step_count(checkpoint_files.read(path, call.get("weights_only")), path)
     except (ValueError, TypeError, checkpoint_files.CheckpointError) as refusal:
         raise refusal.with_traceback(None) from None
+
+
+def _pass_weights_only(trainer: Any, function: Callable, args: Any, kwargs: Any) -> None:
+    """Hand the strategy the `weights_only` given to fit/validate/test/predict: Lightning passes it to the strategy's
+    `load_checkpoint` only where the strategy restores before setup, not zoff's (nor FSDP's, nor DeepSpeed's)."""
+    if trainer is not None and hasattr(trainer.strategy, "requested_weights_only"):
+        trainer.strategy.requested_weights_only = inspect.signature(function).bind(*args, **kwargs).arguments.get(
+            "weights_only")
 
 
 def _checkpoint_file(ckpt_path: Any) -> Path | None:

@@ -90,6 +90,7 @@ class ZoffStrategy(FrontDoor, ParallelStrategy):
         self._in_optimizer_step = False
         self._cpu_layout: CpuLayout | None = None
         self._loader_workers: int | None = None  # what the host plan counted, once set up
+        self.requested_weights_only: bool | None = None  # fit/test(weights_only=...), as the launcher saw it
 
     @property
     def module(self) -> pl.LightningModule:
@@ -283,6 +284,8 @@ class ZoffStrategy(FrontDoor, ParallelStrategy):
         # Restores the weights (and, when fitting, the optimizer state) right here; Lightning restores the rest
         # (loops, LR schedulers, callbacks, loss scaler) from the dict returned.
         fitting = self.module.trainer.state.fn == TrainerFn.FITTING and self.engine is not None
+        if weights_only is None:  # Lightning drops it on the way here for a strategy that restores after setup
+            weights_only = self.requested_weights_only
         checkpoint = self._training().load(checkpoint_path, self.optimizers[0] if fitting else None, weights_only)
         step = fabric_step_count(checkpoint, checkpoint_path) if fitting else None
         if step is not None:  # written by fabric.save: no loops for Lightning to restore
