@@ -12,6 +12,7 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 
+from helpers.compare import rel_err
 from helpers.fabric_loop import FabricTiny, train, trainer_loader
 from helpers.reference import SEED, train_on_one_process
 from helpers.tiny_module import read_probe
@@ -51,11 +52,6 @@ def runs(tmp_path_factory) -> dict:
         return done[door]
 
     return run
-
-
-def rel_err(a, b) -> float:
-    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    return ((a - b).abs() / b.abs()).max().item()
 
 
 @pytest.mark.parametrize("door", list(DOORS))

@@ -12,16 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.compare import rel_err
 from helpers.core_run import ACCUMULATE, MAX_NORM
 from helpers.reference import train_on_one_process
 
 TESTS = Path(__file__).resolve().parent
 STEPS = 4
-
-
-def rel_err(a, b) -> float:
-    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    return ((a - b).abs() / b.abs()).max().item()
 
 
 @pytest.fixture(scope="module")

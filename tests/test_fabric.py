@@ -16,6 +16,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.multiprocessing import ProcessRaisedException
 
+from helpers.compare import rel_err
 from helpers.fabric_loop import FabricTiny, micro_batch, train, trainer_loader
 from lightning_zoff import ZoffFabricPrecision, ZoffFabricStrategy, ZoffStrategy, training
 from lightning_zoff.offload.memory_plan import PlanDoesNotFit
@@ -32,11 +33,6 @@ def zoff_fabric(devices: int = 2, **options) -> Fabric:
 
 def mean_losses(losses: list[list[float]]) -> list[float]:
     return [sum(ranks) / len(ranks) for ranks in losses]
-
-
-def rel_err(a, b) -> float:
-    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    return ((a - b).abs() / b.abs()).max().item()
 
 
 def test_registered_by_name_in_fabric():

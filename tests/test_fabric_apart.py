@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from lightning.fabric import Fabric
 from torch.multiprocessing import ProcessRaisedException
 
+from helpers.compare import rel_err
 from helpers.fabric_loop import FabricTiny, micro_batch, train
 from lightning_zoff import ZoffFabricStrategy, training
 from lightning_zoff.offload.memory_plan import PlanDoesNotFit
@@ -22,11 +23,6 @@ STEPS, ACCUMULATE = 6, 2
 
 def zoff_fabric(devices: int = 2) -> Fabric:
     return Fabric(accelerator="cpu", devices=devices, strategy=ZoffFabricStrategy(start_method="fork"))
-
-
-def rel_err(a, b) -> float:
-    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    return ((a - b).abs() / b.abs()).max().item()
 
 
 def test_apart_matches_ddp_and_equals_the_joint_setup(tmp_path):

@@ -15,6 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
 import helpers.trainer
+from helpers.compare import rel_err
 from helpers.resume_run import SaveBatch
 from helpers.tiny_module import read_probe
 from lightning_zoff import ZoffStrategy
@@ -53,11 +54,6 @@ def fit(out: Path, strategy, module: pl.LightningModule | None = None, *, max_st
                                   max_steps=max_steps, accumulate=accumulate, clip=1.0, callbacks=callbacks,
                                   limit_val_batches=0)
     return trainer, trainer.lightning_module
-
-
-def rel_err(a, b) -> float:
-    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    return ((a - b).abs() / b.abs()).max().item()
 
 
 # -- building on the meta device: the model's own init, buffers recomputed, ties kept -----------------------------

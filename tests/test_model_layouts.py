@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
 import helpers.trainer
+from helpers.compare import rel_err
 from helpers.nanogpt import NanoGPT
 from helpers.tiny import token_loader
 from helpers.tiny_module import read_probe
@@ -26,11 +27,6 @@ def fit(out, strategy, *, tie: bool, max_steps: int = 8, ckpt_path=None, callbac
     helpers.trainer.fit(module, token_loader(n=samples), strategy, out=out, max_steps=max_steps, accumulate=2, clip=0.5,
                         callbacks=callbacks, ckpt_path=ckpt_path, enable_checkpointing=True)
     return module, read_probe(out)["losses"]
-
-
-def rel_err(a, b):
-    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    return ((a - b).abs() / b.abs()).max().item()
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])

@@ -13,6 +13,7 @@ from torch.multiprocessing import ProcessRaisedException
 import helpers.trainer
 import lightning_zoff
 from helpers import tiny
+from helpers.compare import rel_err
 from helpers.tiny import SEQ, VOCAB, token_loader
 from helpers.tiny_module import TinyModule, read_probe
 from lightning_zoff import ZoffStatsMonitor, ZoffStrategy
@@ -28,11 +29,6 @@ def fit(tmp_path, strategy, *, devices=2, precision="32-true", batch_size=4, max
                                   precision=precision, max_steps=max_steps, accumulate=accumulate, clip=0.84,
                                   callbacks=callbacks, **kw)
     return trainer, module
-
-
-def rel_err(a, b):
-    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    return ((a - b).abs() / b.abs()).max().item()
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from torch import nn
 
 import helpers.trainer
 from helpers import tiny
+from helpers.compare import rel_err
 from helpers.resume_run import resume_fit
 from helpers.tiny import DIM, VOCAB, token_loader
 from helpers.tiny_module import TinyModule
@@ -148,11 +149,6 @@ def train(out: Path, strategy, make_module, *, accumulate: int = 1, batch_size: 
 
 def ddp():
     return DDPStrategy(start_method="fork", find_unused_parameters=True)
-
-
-def rel_err(a, b) -> float:
-    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    return ((a - b).abs() / b.abs()).max().item()
 
 
 def assert_like_ddp(zoff: dict, ref: dict) -> None:

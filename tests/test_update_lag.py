@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 import helpers.trainer
+from helpers.compare import rel_err
 from helpers.fabric_loop import RankRows
 from helpers.tiny import token_loader
 from helpers.tiny_module import TinyModule, read_probe
@@ -69,11 +70,6 @@ def delayed_adamw(accumulate: int, lag: int) -> tuple[list[float], dict[str, tor
         if len(pending) > lag:  # the update `lag` steps old reaches the forward's parameters now
             forward_model.load_state_dict(pending.pop(0), strict=False)
     return losses, master.state_dict()
-
-
-def rel_err(a, b) -> float:
-    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    return ((a - b).abs() / b.abs()).max().item()
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
