@@ -134,8 +134,25 @@ class ZoffConfig:
         return MOMENT_DTYPES[self.optimizer_state_dtype]
 
     @property
-    def accum_dtype(self) -> torch.dtype:
+    def grad_sum_dtype(self) -> torch.dtype:
+        """The dtype of a window's gradient sum (`grad_sum`), as `grad_accum_dtype` names it."""
         return ACCUM_DTYPES[self.grad_accum_dtype]
+
+    @property
+    def host_worker(self) -> bool:
+        """Host work runs on a worker thread beside the accelerator (`overlap`, with state on the host)."""
+        return self.overlap and self.offload
+
+    @property
+    def lags(self) -> bool:
+        """The host's units apply each step's update a step late (`update_lag`, with state on the host)."""
+        return bool(self.update_lag and self.offload)
+
+    @property
+    def speculates(self) -> bool:
+        """Host units update during backward into spare sets: the worker runs, and no update lags (a lagged update
+        already runs beside the next step)."""
+        return self.host_worker and not self.lags
 
 
 def parse_accelerator_state(value: object) -> str | float:

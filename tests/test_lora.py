@@ -80,7 +80,7 @@ def planned_host_bytes(lora: dict | None) -> tuple[int, int, int]:
             model = add_lora(model, lora)
     shapes, model_bytes = unit_shapes_before_sharding(model, plan_units(model), world_size=1, param_bytes=2)
     host = [plan_memory([s for s in shapes if s.trained],
-                        StateOptions(param_bytes=2, moment_bytes=4, moments=2, sum_bytes=0, overlap=overlap),
+                        StateOptions(param_bytes=2, moment_bytes=4, moments=2, sum_bytes=0, speculates=overlap),
                         Machine(2**50, None), "none", model_bytes=model_bytes).host_bytes for overlap in (False, True)]
     return sum(s.trained for s in shapes), *host
 

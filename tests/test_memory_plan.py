@@ -70,7 +70,7 @@ def test_spare_sets_take_the_hosts_room_at_most_one_per_two_units():
     assert tight.spare_sets == 1  # 27 GB left: one set
     none_left = plan_memory(BLOCKS, BF16_ADAM, machine(6 * 14 + 13), "none", model_bytes=0)
     assert none_left.spare_sets == 0  # the units fit, no set does: nothing speculates
-    sync = plan_memory(BLOCKS, StateOptions(2, 4, 2, 0, overlap=False), machine(1000), "none", model_bytes=0)
+    sync = plan_memory(BLOCKS, StateOptions(2, 4, 2, 0, speculates=False), machine(1000), "none", model_bytes=0)
     assert sync.spare_sets == 0
 
 

@@ -103,8 +103,7 @@ class OffloadEngine:
         params = [p for layout, _ in layouts for p in layout.params]
         self.param_device = params[0].device if params else torch.device("cpu")
         self.state_device = torch.device("cpu") if config.offload else self.param_device
-        self.overlap = config.overlap and config.offload  # speculation needs the kernels' `into`
-        self.lag = bool(config.update_lag and config.offload)  # the host's updates reach the shards a step late
+        self.update_lag = config.lags  # the host's updates reach the shards a step late
         # units by name, in the order a forward enters them: guessed (`forward_order`) until the gates saw one
         guess = {name: i for i, name in enumerate(forward_order or ())}
         self.forward_order = sorted((layout.name for layout, _ in layouts), key=lambda n: guess.get(n, len(guess)))
@@ -121,26 +120,27 @@ class OffloadEngine:
             built[layout.name] = build_unit_state(
                 layout, masters, group_of, placement=where,
                 device=self.state_device if where is Placement.HOST else self.param_device, moments=moments,
-                moment_dtype=config.moment_dtype, sums_windows=self.sums_windows, grad_sum_dtype=config.accum_dtype,
-                pin=config.pin_memory and where is Placement.HOST, lagging=self.lag)
+                moment_dtype=config.moment_dtype, sums_windows=self.sums_windows, grad_sum_dtype=config.grad_sum_dtype,
+                pin=config.pin_memory and where is Placement.HOST, update_lag=self.update_lag)
         self.units = [built[layout.name] for layout, _ in layouts]
         self._modules = [module for _, module in layouts]
         on_cuda = self.param_device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.param_device) if on_cuda else None  # D2H, FSDP2's hook runs here
         h2d_stream = torch.cuda.Stream(self.param_device) if on_cuda else None  # the host's 16-bit shards up
         self.compute_stream = torch.cuda.current_stream(self.param_device) if on_cuda else None
-        self.scheduler = HostScheduler(SparePool()) if self.overlap else None
+        self.scheduler = HostScheduler(SparePool()) if config.host_worker else None
         self.placer = Placer(plan, self.units, None if self.scheduler is None else self.scheduler.pool,
-                             host=self.state_device, accelerator=self.param_device, sum_dtype=config.accum_dtype,
+                             host=self.state_device, accelerator=self.param_device,
+                             grad_sum_dtype=config.grad_sum_dtype,
                              moment_dtype=config.moment_dtype, pin=config.pin_memory)
         self.updates = UnitUpdates(self.rule, optimizer, self.traffic, self.scheduler, world_size=world_size,
                                    threads=threads, h2d_stream=h2d_stream, compute_stream=self.compute_stream,
-                                   lag=self.lag)
+                                   update_lag=self.update_lag)
         self.landing = GradientLanding(
-            self.units, LandingOptions(config.accum_dtype, config.pin_memory, config.grad_accum_on == "accelerator",
+            self.units, LandingOptions(config.grad_sum_dtype, config.pin_memory, config.grad_accum_on == "accelerator",
                                        config.retain_gpu_grad_partition_until_step, threads),
             self.traffic, self.scheduler,
-            lambda unit: None if self.lag else self.updates.speculate(unit, self.landing.loss_scale),
+            lambda unit: None if self.update_lag else self.updates.speculate(unit, self.landing.loss_scale),
             param_device=self.param_device, copy_stream=self.copy_stream, compute_stream=self.compute_stream)
         self._hooks: list[UnitHooks] = []
         self._detached = False
@@ -184,7 +184,7 @@ class OffloadEngine:
                                    sumsq=self.landing.sumsq)
         if self.scheduler is not None:
             self.scheduler.decided(as_speculated=not outcome.skipped and outcome.clip_coef == 1.0)
-        if self.lag:  # this backward has read the older shards: the last step's host updates may go up now
+        if self.update_lag:  # this backward has read the older shards: the last step's host updates may go up now
             self.send_lagged()
         if not decision.skipped:  # counted here, so each step reports its own copies even when they end during the next
             host_units = [unit for unit in units if unit.placement is Placement.HOST]
@@ -193,8 +193,8 @@ class OffloadEngine:
         landed = self.landing.landed_order
         order = landed[::-1] + [u for u in units if u not in landed]
         for unit in order:  # the next forward needs them about in the reverse of backward's order
-            if self.lag and unit.placement is Placement.HOST:  # its next window starts now, beside this update
-                lagged = functools.partial(self.updates.lagged, unit, unit.set_window_apart(), decision)
+            if self.update_lag and unit.placement is Placement.HOST:  # its next window starts now, beside this update
+                lagged = functools.partial(self.updates.lagged, unit, unit.lag_window(), decision)
                 if self.scheduler is not None:
                     self.scheduler.finalize(lagged)
                 else:

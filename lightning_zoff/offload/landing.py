@@ -17,7 +17,7 @@ from lightning_zoff.offload.unit_state import Phase, Placement, UnitState
 
 @dataclass(frozen=True)
 class LandingOptions:
-    sum_dtype: torch.dtype  # of the window's sum
+    grad_sum_dtype: torch.dtype  # of the window's sum
     pin_memory: bool
     accumulate_on_accelerator: bool  # grad_accum_on == "accelerator"
     retain_device_sum: bool  # retain_gpu_grad_partition_until_step
@@ -59,7 +59,7 @@ class GradientLanding:
         """The unit's window sum, allocated when a window of several micro-batches first needs it."""
         if unit.grad_sum is None:
             pin = self.options.pin_memory and unit.placement is Placement.HOST
-            unit.grad_sum = host_empty(unit.layout.flat_numel, self.options.sum_dtype, unit.device, pin).zero_()
+            unit.grad_sum = host_empty(unit.layout.flat_numel, self.options.grad_sum_dtype, unit.device, pin).zero_()
         return unit.grad_sum
 
     def on_grads_noted(self, index: int, used: list[bool]) -> None:

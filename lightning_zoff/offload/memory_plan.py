@@ -87,7 +87,7 @@ class StateOptions:
     sum_bytes: int  # of the window's gradient sum; 0 when every window is one micro-batch
     sum_on_accelerator: bool = False  # host units' window sums live on the accelerator between micro-batches
     retain_device_sum: bool = False  # ... for the whole window, every unit's at once
-    overlap: bool = True  # speculation into the host's spare sets
+    speculates: bool = True  # host units update during backward, into the host's spare sets
     pin: bool = True
     update_lag: bool = False  # host units: a second landing buffer and sum, and the 16-bit copy in a buffer of its own
 
@@ -96,11 +96,10 @@ class StateOptions:
         """The options as zoff's configuration sets them, for a model of `param_bytes` and an optimizer of `moments`
         moments; `sums_windows`: some window has several micro-batches."""
         return cls(param_bytes=param_bytes, moment_bytes=config.moment_dtype.itemsize, moments=moments,
-                   sum_bytes=config.accum_dtype.itemsize if sums_windows else 0,
+                   sum_bytes=config.grad_sum_dtype.itemsize if sums_windows else 0,
                    sum_on_accelerator=config.grad_accum_on == "accelerator",
                    retain_device_sum=config.retain_gpu_grad_partition_until_step,
-                   overlap=config.overlap and config.offload and not config.update_lag, pin=config.pin_memory,
-                   update_lag=bool(config.update_lag and config.offload))
+                   speculates=config.speculates, pin=config.pin_memory, update_lag=config.lags)
 
     def state_bytes(self, trained: int) -> int:
         return trained * (4 + self.moments * self.moment_bytes)
@@ -124,9 +123,9 @@ def unit_buffers(shape: UnitShape, options: StateOptions, placement: Placement) 
         buffers["grad_landing"] = options.param_bytes * shape.reduced
         shared = shape.same_layout and not options.update_lag  # the kernel writes the copy over the gradient it read
         buffers["param_out"] = 0 if shared else options.out_bytes(shape.trained)
-        if options.update_lag:  # the window being updated, apart from the next one landing
-            buffers["grad_landing_apart"] = buffers["grad_landing"]
-            buffers["grad_sum_apart"] = buffers["grad_sum"]
+        if options.update_lag:  # the window being updated (lagged), beside the next one landing
+            buffers["grad_landing_lagged"] = buffers["grad_landing"]
+            buffers["grad_sum_lagged"] = buffers["grad_sum"]
     return buffers
 
 
@@ -263,7 +262,7 @@ class MemoryPlan:
 
     def _with_spare_sets(self) -> MemoryPlan:
         host = [s for s in self.units_on(Placement.HOST) if s.trained]
-        if not self.options.overlap or not host:
+        if not self.options.speculates or not host:
             return self
         sizes = Counter(s.trained for s in host)
         trained, count = sizes.most_common(1)[0]
@@ -393,7 +392,3 @@ def _to_spare(plan: MemoryPlan, masters_bytes: int) -> str:
         accelerator = capacity - plan.model_bytes - plan.accelerator_bytes - plan.machine.accelerator_margin
         text += f" and {size(accelerator)} on the accelerator before activations"
     return text
-
-
-def _fits(plan: MemoryPlan, options: StateOptions, accelerator_state: str | float, masters_bytes: int) -> bool:
-    return not _placed(replace(plan, options=options), accelerator_state).problems(masters_bytes)

@@ -48,12 +48,12 @@ def plan_for(layouts: list[tuple[UnitLayout, nn.Module]], forward_order: Sequenc
 
 class Placer:
     def __init__(self, plan: MemoryPlan, units: list[UnitState], pool: SparePool | None, *, host: torch.device,
-                 accelerator: torch.device, sum_dtype: torch.dtype, moment_dtype: torch.dtype, pin: bool) -> None:
+                 accelerator: torch.device, grad_sum_dtype: torch.dtype, moment_dtype: torch.dtype, pin: bool) -> None:
         self.plan = plan
         self.units = units  # the engine's list
         self.pool = pool  # None without overlap
         self.host, self.accelerator = host, accelerator
-        self.sum_dtype, self.moment_dtype, self.pin = sum_dtype, moment_dtype, pin
+        self.grad_sum_dtype, self.moment_dtype, self.pin = grad_sum_dtype, moment_dtype, pin
         self._spare_trained = 0  # the size the pool's sets are made for
         self.resize_pool()
 
@@ -91,7 +91,7 @@ class Placer:
         moved = []
         for name in names:
             try:
-                relocate(by_name[name], placement, self.device(placement), grad_sum_dtype=self.sum_dtype,
+                relocate(by_name[name], placement, self.device(placement), grad_sum_dtype=self.grad_sum_dtype,
                          pin=self.pin and placement is Placement.HOST)
             except torch.OutOfMemoryError:
                 break  # the estimate was off: this unit stays as it was (relocate changes nothing on failure)

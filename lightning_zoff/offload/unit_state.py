@@ -133,11 +133,11 @@ class UnitState:
     params_copied: torch.cuda.Event | None = None
     staging_free: threading.Event = field(default_factory=threading.Event)  # grad_staging may be overwritten
     # on the host, with `update_lag`: a window's update runs beside the next window, so the unit has a second landing
-    # buffer and window sum (`set_window_apart` swaps them), and its 16-bit copy a buffer of its own even where the
+    # buffer and window sum (`lag_window` swaps them), and its 16-bit copy a buffer of its own even where the
     # layouts agree; `pending_send`: the parameters of the last update, still to go to the accelerator
-    lagging: bool = False
-    apart_staging: torch.Tensor | None = None
-    apart_sum: torch.Tensor | None = None
+    update_lag: bool = False
+    lagged_staging: torch.Tensor | None = None
+    lagged_sum: torch.Tensor | None = None
     pending_send: list[TrainedParam] | None = None
 
     @property
@@ -161,19 +161,19 @@ class UnitState:
         """The parameter's unpadded rows in one of the unit's state-laid buffers (master, moments, param_staging)."""
         return flat[param.state_offset : param.state_offset + param.slot.numel]
 
-    def set_window_apart(self) -> torch.Tensor:
+    def lag_window(self) -> torch.Tensor:
         """With `update_lag`, at the decision: the window's gradient, for its update on the worker, and the unit EMPTY
         for the next window, which lands in the other landing buffer (or sum). The training thread's, at the step."""
         grad = self.window_grad
-        assert self.lagging
+        assert self.update_lag
         assert grad is not None
         if grad is self.grad_staging:
-            self.grad_staging, self.apart_staging = self.apart_staging, grad
+            self.grad_staging, self.lagged_staging = self.lagged_staging, grad
         else:
             assert grad is self.grad_sum
-            if self.apart_sum is None:  # the first window of several micro-batches
-                self.apart_sum = host_empty(grad.numel(), grad.dtype, grad.device, grad.is_pinned())
-            self.grad_sum, self.apart_sum = self.apart_sum, grad
+            if self.lagged_sum is None:  # the first window of several micro-batches
+                self.lagged_sum = host_empty(grad.numel(), grad.dtype, grad.device, grad.is_pinned())
+            self.grad_sum, self.lagged_sum = self.lagged_sum, grad
         self.window_grad, self.sumsq, self.phase = None, None, Phase.EMPTY
         self.staging_free.set()
         return grad
@@ -191,7 +191,8 @@ class UnitState:
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor the unit allocated for the optimizer (what its memory is; a lent spare set is the pool's)."""
         tensors = [*self.state]
-        tensors += [t for t in (self.grad_staging, self.grad_sum, self.apart_staging, self.apart_sum) if t is not None]
+        windows = (self.grad_staging, self.grad_sum, self.lagged_staging, self.lagged_sum)
+        tensors += [t for t in windows if t is not None]
         if self.param_staging is not None and not self._out_is_shared():
             tensors.append(self.param_staging)
         return tensors
@@ -227,7 +228,7 @@ def build_unit_state(
     sums_windows: bool,
     grad_sum_dtype: torch.dtype,
     pin: bool,
-    lagging: bool = False,
+    update_lag: bool = False,
 ) -> UnitState:
     """State for the unit's trained parameters on `device`, their rows taken from `masters` (fp32 shards by id of
     the sharded parameter), which are consumed: the model's fp32 copies are freed as the state fills."""
@@ -253,7 +254,7 @@ def build_unit_state(
             spans.append((start, end))
     param_dtype = (layout.slots[0].param if layout.slots else layout.frozen[0]).dtype
     unit = UnitState(layout, placement, param_dtype, trained, spans, state, spare=None, grad_sum=None,
-                     grad_staging=None, param_staging=None, used=[False] * len(layout.slots), lagging=lagging)
+                     grad_staging=None, param_staging=None, used=[False] * len(layout.slots), update_lag=update_lag)
     _make_buffers(unit, device, sums_windows=sums_windows, grad_sum_dtype=grad_sum_dtype, pin=pin)
     unit.staging_free.set()
     return unit
@@ -290,14 +291,14 @@ def _make_buffers(unit: UnitState, device: torch.device, *, sums_windows: bool, 
     n, host = unit.layout.flat_numel, unit.placement is Placement.HOST
     unit.grad_sum = host_empty(n, grad_sum_dtype, device, pin and host).zero_() if sums_windows else None
     unit.grad_staging = host_empty(n, unit.param_dtype, device, pin) if host else None
-    lag = unit.lagging and host
-    unit.apart_staging = host_empty(n, unit.param_dtype, device, pin) if lag else None
-    unit.apart_sum = host_empty(n, grad_sum_dtype, device, pin).zero_() if lag and sums_windows else None
+    lagged = unit.update_lag and host
+    unit.lagged_staging = host_empty(n, unit.param_dtype, device, pin) if lagged else None
+    unit.lagged_sum = host_empty(n, grad_sum_dtype, device, pin).zero_() if lagged and sums_windows else None
     if not host:
         unit.param_staging = None
     elif unit.fp32_params:
         unit.param_staging = unit.master
-    elif same_layout(unit.layout, unit.trained) and not lag:
+    elif same_layout(unit.layout, unit.trained) and not lagged:
         assert unit.grad_staging is not None
         unit.param_staging = unit.grad_staging[: unit.master.numel()]
     else:

@@ -24,13 +24,13 @@ class UnitUpdates:
     """Runs units' updates with the `rule` and the current hyperparameters of `optimizer`'s param groups: on the host
     with the fused kernels (`threads` of them), on the accelerator with torch ops in bounded pieces. `scheduler`: the
     worker with overlap (None without, and once the engine detached); `h2d_stream` carries the host's 16-bit shards up,
-    `compute_stream` is the training loop's; `lag` (`update_lag`): a host unit's 16-bit copy is sent at the next step's
+    `compute_stream` is the training loop's; `update_lag`: a host unit's 16-bit copy is sent at the next step's
     decision (`OffloadEngine.send_lagged`), not at once."""
 
     def __init__(self, rule: UpdateRule, optimizer: torch.optim.Optimizer, traffic: Traffic,
                  scheduler: HostScheduler | None, *, world_size: int, threads: int | None,
                  h2d_stream: torch.cuda.Stream | None, compute_stream: torch.cuda.Stream | None,
-                 lag: bool = False) -> None:
+                 update_lag: bool = False) -> None:
         self.rule = rule
         self.optimizer = optimizer
         self.traffic = traffic
@@ -39,7 +39,7 @@ class UnitUpdates:
         self.threads = threads
         self.h2d_stream = h2d_stream
         self.compute_stream = compute_stream
-        self.lag = lag  # `update_lag`: a host unit's update waits in its 16-bit copy until the next step's decision
+        self.update_lag = update_lag  # a host unit's update waits in its 16-bit copy until the next step's decision
 
     def hyper(self) -> tuple[GroupHyperparams, ...]:
         return tuple(GroupHyperparams.of(g) for g in self.optimizer.param_groups)
@@ -82,7 +82,7 @@ class UnitUpdates:
     @torch.no_grad()
     def lagged(self, unit: UnitState, grad: torch.Tensor, decision: Decision) -> None:
         """With `update_lag`: a host unit's update of a decided step from `grad`, that window's gradient, in the buffer
-        the unit set apart at the decision (`UnitState.set_window_apart`) while its next window lands in the other;
+        the unit set apart at the decision (`UnitState.lag_window`) while its next window lands in the other;
         the 16-bit copy waits in `param_staging` for the next decision (`OffloadEngine.send_lagged`)."""
         if not decision.skipped:
             self.update(unit, self.key(unit, decision.scale, decision.hyper, decision.used[unit]), grad)
@@ -138,7 +138,7 @@ class UnitUpdates:
         updated = [p for p, is_used in zip(unit.trained, used, strict=True) if is_used]
         for param in updated:
             param.step += 1
-        if self.lag and unit.placement is Placement.HOST:
+        if self.update_lag and unit.placement is Placement.HOST:
             unit.pending_send = updated  # in `param_staging`, its own buffer, until the next step's decision
             return
         if unit.spare is None:  # every trained shard when they held the gradient
