@@ -14,12 +14,7 @@ from pathlib import Path
 import pytest
 
 import bench
-import bench_deepspeed
-import bench_plot
-import bench_runs
-import harness
-import model_shapes
-import results
+from zoffbench import deepspeed_runs, harness, model_shapes, plot, results, runs
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -43,24 +38,24 @@ FAKE_RUNS = [
 
 
 def test_step_segments_leave_the_rest_as_other():
-    segments = bench_plot.step_segments(FAKE_RUNS[1])
+    segments = plot.step_segments(FAKE_RUNS[1])
     assert segments == pytest.approx({"forward": 0.2, "backward": 0.4, "exposed optimizer": 1.2, "other": 0.1})
     # zoff's exposed time also counts forwards that waited: the phases may sum past the step, "other" stays 0
-    assert bench_plot.step_segments(fake_run("zoff", 1.0, 0.4, 0.5, 0.3))["other"] == 0.0
+    assert plot.step_segments(fake_run("zoff", 1.0, 0.4, 0.5, 0.3))["other"] == 0.0
 
 
 def test_labels_name_ratio_and_inexact_runs():
-    assert bench_plot.run_label(FAKE_RUNS[2]) == "deepspeed_zero3_offload_ratio acc 1 ratio 0.5"
-    assert bench_plot.run_label(FAKE_RUNS[3]).endswith("(inexact)")
-    assert bench_plot.run_label(FAKE_RUNS[0], with_model=True).startswith("gpt7b gpu_only")
-    assert bench_plot.host_gb(FAKE_RUNS[1]) == 110.0
-    assert bench_plot.host_gb(FAKE_RUNS[0]) == 90.0
+    assert plot.run_label(FAKE_RUNS[2]) == "deepspeed_zero3_offload_ratio acc 1 ratio 0.5"
+    assert plot.run_label(FAKE_RUNS[3]).endswith("(inexact)")
+    assert plot.run_label(FAKE_RUNS[0], with_model=True).startswith("gpt7b gpu_only")
+    assert plot.host_gb(FAKE_RUNS[1]) == 110.0
+    assert plot.host_gb(FAKE_RUNS[0]) == 90.0
 
 
 def test_plot_draws_every_run_failed_ones_included(tmp_path):
     # matplotlib comes with the dev extra (through examples): a missing one fails here rather than skipping
-    runs = [{**run, "gpu_memory_gb": 24} for run in FAKE_RUNS]
-    path = bench_plot.plot_runs(runs, tmp_path / "bench.png", title="python scripts/bench/bench.py --model gpt7b")
+    capped = [{**run, "gpu_memory_gb": 24} for run in FAKE_RUNS]
+    path = plot.plot_runs(capped, tmp_path / "bench.png", title="python scripts/bench/bench.py --model gpt7b")
     assert path == tmp_path / "bench.png"
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -69,26 +64,26 @@ def test_plot_without_matplotlib_prints_a_note(tmp_path, monkeypatch, capsys):
     for module in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, module)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib... raises ImportError
-    assert bench_plot.plot_runs(FAKE_RUNS, tmp_path / "bench.png") is None
+    assert plot.plot_runs(FAKE_RUNS, tmp_path / "bench.png") is None
     assert "matplotlib is missing" in capsys.readouterr().out
     assert not (tmp_path / "bench.png").exists()
 
 
 def test_deepspeed_configurations():
-    assert bench_deepspeed.config_overrides("deepspeed_zero3_offload", ADAMW) == {}
-    assert bench_deepspeed.config_overrides("deepspeed_zero2_offload", ADAMW) == {}
-    ratio = bench_deepspeed.config_overrides("deepspeed_zero3_offload_ratio", ADAMW, ratio=0.3)
+    assert deepspeed_runs.config_overrides("deepspeed_zero3_offload", ADAMW) == {}
+    assert deepspeed_runs.config_overrides("deepspeed_zero2_offload", ADAMW) == {}
+    ratio = deepspeed_runs.config_overrides("deepspeed_zero3_offload_ratio", ADAMW, ratio=0.3)
     assert ratio == {"zero_optimization": {"sub_group_size": 100_000_000, "offload_optimizer": {"ratio": 0.3}}}
     with pytest.raises(ValueError, match="needs a ratio"):
-        bench_deepspeed.config_overrides("deepspeed_zero3_offload_ratio", ADAMW)
-    zenflow = bench_deepspeed.config_overrides("deepspeed_zero2_zenflow", ADAMW)
+        deepspeed_runs.config_overrides("deepspeed_zero3_offload_ratio", ADAMW)
+    zenflow = deepspeed_runs.config_overrides("deepspeed_zero2_zenflow", ADAMW)
     assert zenflow["zero_optimization"]["zenflow"]["topk_ratio"] == 0.05
     assert zenflow["optimizer"] == {"type": "AdamW",
                                     "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}}
     json.dumps(zenflow)  # DeepSpeed gets plain JSON values
-    assert bench_deepspeed.unsupported("deepspeed_zero2_zenflow", 4)
-    assert bench_deepspeed.unsupported("deepspeed_zero2_zenflow", 1) is None
-    assert {"deepspeed_zero2_zenflow"} == bench_deepspeed.INEXACT
+    assert deepspeed_runs.unsupported("deepspeed_zero2_zenflow", 4)
+    assert deepspeed_runs.unsupported("deepspeed_zero2_zenflow", 1) is None
+    assert {"deepspeed_zero2_zenflow"} == deepspeed_runs.INEXACT
 
 
 def test_merge_keeps_lightnings_keys():
@@ -96,8 +91,8 @@ def test_merge_keeps_lightnings_keys():
     lightning = {"zero_allow_untested_optimizer": True,
                  "zero_optimization": {"stage": 3, "sub_group_size": 1e12, "overlap_comm": True,
                                        "offload_optimizer": {"device": "cpu", "pin_memory": True, "buffer_count": 4}}}
-    overrides = bench_deepspeed.config_overrides("deepspeed_zero3_offload_ratio", ADAMW, ratio=0.4)
-    merged = bench_deepspeed.merge(lightning, overrides)
+    overrides = deepspeed_runs.config_overrides("deepspeed_zero3_offload_ratio", ADAMW, ratio=0.4)
+    merged = deepspeed_runs.merge(lightning, overrides)
     assert merged["zero_optimization"] == {"stage": 3, "sub_group_size": 100_000_000, "overlap_comm": True,
                                            "offload_optimizer": {"device": "cpu", "pin_memory": True,
                                                                  "buffer_count": 4, "ratio": 0.4}}
@@ -112,7 +107,7 @@ def test_ratio_search_finds_the_smallest_that_fits(fits_from, host_fails_from, e
             return "host_oom"
         return "fits" if fits_from is not None and ratio >= fits_from else "gpu_oom"
 
-    best, tries = bench.smallest_fitting_ratio(list(bench_deepspeed.RATIOS), outcome)
+    best, tries = bench.smallest_fitting_ratio(list(deepspeed_runs.RATIOS), outcome)
     assert best == expected
     assert len(tries) <= 5
     assert len(tries) == 1 or tries[0] == (0.1, "gpu_oom")
@@ -162,33 +157,33 @@ def test_failure_lines():
 
 
 def test_exactness():
-    assert bench_runs.inexact_because("zoff", {}) is None
-    assert bench_runs.inexact_because("zoff_bf16_moments", {}) == "moments stored in bf16"
-    assert bench_runs.inexact_because("zoff", {"optimizer_state_dtype": "bf16"}) == "moments stored in bf16"
-    assert bench_runs.inexact_because("deepspeed_zero2_zenflow", {})
-    assert all(bench_runs.inexact_because(name, {}) is None for name in ("gpu_only", "fsdp2_cpu_offload",
+    assert runs.inexact_because("zoff", {}) is None
+    assert runs.inexact_because("zoff_bf16_moments", {}) == "moments stored in bf16"
+    assert runs.inexact_because("zoff", {"optimizer_state_dtype": "bf16"}) == "moments stored in bf16"
+    assert runs.inexact_because("deepspeed_zero2_zenflow", {})
+    assert all(runs.inexact_because(name, {}) is None for name in ("gpu_only", "fsdp2_cpu_offload",
                "deepspeed_zero3_offload", "deepspeed_zero2_offload", "deepspeed_zero3_offload_ratio"))
 
 
 def test_compare_against_the_fastest_exact_deepspeed():
-    runs = [dict(name="deepspeed_zero3_offload", accumulate=1, exact=True, tokens_per_s=100.0),
-            dict(name="deepspeed_zero3_offload_ratio", accumulate=1, exact=True, tokens_per_s=200.0),
-            dict(name="deepspeed_zero2_zenflow", accumulate=1, exact=False, tokens_per_s=1000.0),
-            dict(name="deepspeed_zero2_offload", accumulate=1, exact=True, error="CUDA out of memory"),
-            dict(name="zoff", accumulate=1, exact=True, tokens_per_s=400.0)]
-    bench.compare(runs)
-    assert runs[-1]["vs_best_exact_deepspeed"] == 2.0
-    assert runs[-1]["best_exact_deepspeed"] == "deepspeed_zero3_offload_ratio"
-    assert runs[-1]["vs_gpu_only"] is None
+    entries = [dict(name="deepspeed_zero3_offload", accumulate=1, exact=True, tokens_per_s=100.0),
+                  dict(name="deepspeed_zero3_offload_ratio", accumulate=1, exact=True, tokens_per_s=200.0),
+               dict(name="deepspeed_zero2_zenflow", accumulate=1, exact=False, tokens_per_s=1000.0),
+               dict(name="deepspeed_zero2_offload", accumulate=1, exact=True, error="CUDA out of memory"),
+               dict(name="zoff", accumulate=1, exact=True, tokens_per_s=400.0)]
+    bench.compare(entries)
+    assert entries[-1]["vs_best_exact_deepspeed"] == 2.0
+    assert entries[-1]["best_exact_deepspeed"] == "deepspeed_zero3_offload_ratio"
+    assert entries[-1]["vs_gpu_only"] is None
 
 
 def test_models_and_default_runs():
     assert model_shapes.model_shape("gpt13b") == dict(vocab_size=32000, block_size=1024, n_layer=40, n_head=40,
                                                  n_embd=5120, dropout=0.0, bias=False, tie_weights=False)
-    assert {"fsdp2_cpu_offload", "gpu_only", "zoff", *bench_deepspeed.DEEPSPEED_RUNS} <= set(bench_runs.DEFAULT_RUNS)
-    assert bench_runs.model_spec("gpt13b", layers=20)["n_layer"] == 20
+    assert {"fsdp2_cpu_offload", "gpu_only", "zoff", *deepspeed_runs.DEEPSPEED_RUNS} <= set(runs.DEFAULT_RUNS)
+    assert runs.model_spec("gpt13b", layers=20)["n_layer"] == 20
     with pytest.raises(SystemExit, match="qwen3_4b is a Hugging Face preset"):
-        bench_runs.model_spec("qwen3_4b", layers=20)
+        runs.model_spec("qwen3_4b", layers=20)
 
 
 def test_cpu_run_records_model_and_gpu_memory(tmp_path):
@@ -253,17 +248,17 @@ def test_the_users_models_run_at_seq_4096_with_loader_workers():
     assert {"llama3_8b", "qwen3_14b"} <= set(bench.MODEL_NAMES)
     assert set(bench.LOADER_WORKERS) == {"llama3_8b", "qwen3_14b"}
     assert {"zoff", "zoff_bf16_moments", "deepspeed_zero3_offload"} <= set(bench.RUNS)
-    entry = bench_runs.bench_run("deepspeed_zero3_offload", "llama3_8b", 1, 1, [], None, None, False,
+    entry = runs.bench_run("deepspeed_zero3_offload", "llama3_8b", 1, 1, [], None, None, False,
                                  num_workers=4).entry()
     assert (entry["seq"], entry["num_workers"], entry["batch"], entry["layers"]) == (4096, 4, 1, None)
-    assert bench_deepspeed.unsupported("deepspeed_zero3_offload", 1) is None
-    assert bench_runs.bench_run("zoff", "gpt1b", 1, 8, [], None, None, False, seq=256).entry()["seq"] == 256
+    assert deepspeed_runs.unsupported("deepspeed_zero3_offload", 1) is None
+    assert runs.bench_run("zoff", "gpt1b", 1, 8, [], None, None, False, seq=256).entry()["seq"] == 256
 
 
 def test_the_bench_data_comes_from_loader_workers():
     import torch
 
-    from bench_data import RandomTokens
+    from zoffbench.data import RandomTokens
 
     data = RandomTokens(vocab_size=50, seq=8, batch=2, length=6, num_workers=2)
     loader = data.train_dataloader()
@@ -294,29 +289,29 @@ def test_the_runs_are_a_table_of_specs():
     from lightning_zoff import ZoffStrategy
     from lightning_zoff.examples.gpt import Block, GPTModule
 
-    before_the_table = ("gpu_only", *bench_deepspeed.DEEPSPEED_RUNS, "fsdp2_cpu_offload", *bench_runs.ZOFF_VARIANTS,
+    before_the_table = ("gpu_only", *deepspeed_runs.DEEPSPEED_RUNS, "fsdp2_cpu_offload", *runs.ZOFF_VARIANTS,
                         "zoff_no_offload", "zoff_fabric")  # the names and order --runs offered as an if-chain
-    assert before_the_table == bench_runs.RUNS
-    build, strategy, precision = bench_runs.build_run("gpu_only", "tiny", {})
+    assert before_the_table == runs.RUNS
+    build, strategy, precision = runs.build_run("gpu_only", "tiny", {})
     assert (strategy, precision) == ("auto", "bf16-mixed")
     module = build(None)
     assert type(module) is GPTModule
     assert module.hparams["lr"] == ADAMW["lr"]
-    build, strategy, precision = bench_runs.build_run("fsdp2_cpu_offload", "tiny", {})
+    build, strategy, precision = runs.build_run("fsdp2_cpu_offload", "tiny", {})
     assert isinstance(strategy, ModelParallelStrategy)
     assert precision == "32-true"  # FSDP2's MixedPrecisionPolicy casts
     module = build(None)
     assert isinstance(module, GPTModule)
-    assert type(module).configure_model is bench_runs.ShardedByFSDP2WithCPUOffload.configure_model
+    assert type(module).configure_model is runs.ShardedByFSDP2WithCPUOffload.configure_model
     # a variant's options, then --zoff-option's, then the blocks recomputed with --activation-checkpointing
-    _, strategy, precision = bench_runs.build_run("zoff_sync", "tiny", {"cpu_threads": 1}, checkpointing=True)
+    _, strategy, precision = runs.build_run("zoff_sync", "tiny", {"cpu_threads": 1}, checkpointing=True)
     assert isinstance(strategy, ZoffStrategy)
     assert precision == "bf16-mixed"
     config = strategy.config
     assert (config.overlap, config.accelerator_state, config.cpu_threads, config.offload) == (False, "none", 1, True)
     assert config.activation_checkpointing_policy == {Block}
-    assert bench_runs.build_run("zoff_no_offload", "tiny", {})[1].config.offload is False
-    assert bench_runs.family_of("gpt1b", seq=256)[1]["block_size"] == 256  # a GPT's position table follows
+    assert runs.build_run("zoff_no_offload", "tiny", {})[1].config.offload is False
+    assert runs.family_of("gpt1b", seq=256)[1]["block_size"] == 256  # a GPT's position table follows
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""What the scripts share (scripts/lib/: harness.py, recorders.py, model_shapes.py): the peak resident memory of a
+"""What the scripts share (zoffbench/: harness.py, recorders.py, model_shapes.py): the peak resident memory of a
 process tree, a child's results by rank, the kill at a timeout, the failure line, the step recorder and the models by
 name."""
 
@@ -12,8 +12,7 @@ import time
 import psutil
 import pytest
 
-import harness
-import model_shapes
+from zoffbench import harness, model_shapes
 
 MB = 2**20
 # a process that holds `MB_HELD` MiB (written, so resident) for a while, with a child of its own holding half that
@@ -157,7 +156,7 @@ def test_the_step_recorder_records_every_batch(capsys):
 
     from helpers.tiny import token_loader
     from helpers.tiny_module import TinyModule
-    from recorders import StepRecorder
+    from zoffbench.recorders import StepRecorder
 
     recorder = StepRecorder(verbose=True)
     module = TinyModule()

@@ -11,7 +11,7 @@
     python scripts/bench/bench.py --model qwen3_tiny --runs zoff --accumulate 1 --steps 2 --warmup 1   # CPU smoke test
     python scripts/bench/bench.py --plot bench/results/2026-12-02_h200x1_gpt13b_b4_zoff.json   # draw a JSON's PNG again
 
-Without --runs: gpu_only, zoff, DeepSpeed's four configurations (scripts/bench/bench_deepspeed.py: ZeRO-3 and ZeRO-2
+Without --runs: gpu_only, zoff, DeepSpeed's four configurations (zoffbench/deepspeed_runs.py: ZeRO-3 and ZeRO-2
 with the optimizer on the CPU, ZeRO-3 with part of the optimizer on the GPU (`offload_optimizer.ratio`), ZeRO-2 +
 ZenFlow) and fsdp2_cpu_offload (FSDP2's own CPUOffloadPolicy); --runs takes the zoff variants too.
 
@@ -30,14 +30,14 @@ the whole measurement. One value in --ratios skips the search.
 
 Every run trains on random token ids of the model's vocabulary, `--batch` x `--seq` (default: the model's block_size)
 a batch, from a torch DataLoader with `--num-workers` loader processes (persistent; default 4 for llama3_8b and
-qwen3_14b, the users' models at seq 4096, else 0: batches made in the training process; bench_data.py).
+qwen3_14b, the users' models at seq 4096, else 0: batches made in the training process; zoffbench/data.py).
 
 `--gpu-memory-gb N` emulates a smaller GPU: each run's process caps torch's allocator at N GiB
 (`torch.cuda.set_per_process_memory_fraction`) before anything is built. The CUDA context, NCCL's and DeepSpeed's own
 buffers outside torch's allocator are not counted, and `torch.cuda.mem_get_info` still reports the whole GPU.
 
 Prints a table and writes bench/results/<date>_<machine>_bench_<model>.json (results.write_result; bench/README.md
-collects them) and the same name with .png (bench_plot.py: each run's step split into forward, backward and exposed
+collects them) and the same name with .png (zoffbench/plot.py: each run's step split into forward, backward and exposed
 optimizer time; peak GPU and host memory): {"date", "machine", "command", "gpu_memory_gb", "runs": [{"name", "model",
 "accumulate", "batch", "seq", "num_workers", "gpu_memory_gb" (null: uncapped), "exact" (false: not AdamW's update of
 every parameter at every step, e.g. ZenFlow, bf16 moments), "step_s_median", "step_s_mean", "tokens_per_s",
@@ -71,13 +71,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))  # scripts/lib: the scripts' library
-
-from bench_deepspeed import DEEPSPEED_RUNS, RATIOS, unsupported
-from bench_runs import DEFAULT_RUNS, RUNS, bench_run, run_one
-from harness import RunFailure, outcome_of, run_function
-from model_shapes import MODEL_NAMES
-from results import describe, machine, result_path, write_result
+from zoffbench.deepspeed_runs import DEEPSPEED_RUNS, RATIOS, unsupported
+from zoffbench.harness import RunFailure, outcome_of, run_function
+from zoffbench.model_shapes import MODEL_NAMES
+from zoffbench.results import describe, machine, result_path, write_result
+from zoffbench.runs import DEFAULT_RUNS, RUNS, bench_run, run_one
 
 # the models a user's job feeds through loader processes (seq 4096): --num-workers' default; 0 for the others
 LOADER_WORKERS = {"llama3_8b": 4, "qwen3_14b": 4}
@@ -207,7 +205,7 @@ def compare(runs: list[dict]) -> None:
 
 
 def plot(record: dict, out: Path) -> None:
-    from bench_plot import plot_runs
+    from zoffbench.plot import plot_runs
 
     title = f"{record['command']}\n{describe(record['machine'])}"
     if plot_runs(record["runs"], out.with_suffix(".png"), title) is not None:

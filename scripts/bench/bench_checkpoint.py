@@ -26,15 +26,12 @@ import os
 import platform
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))  # scripts/lib: the scripts' library
-
-from harness import RssSampler, parse_options, report, run_function
-from model_shapes import model_shape
-from results import ROOT, write_result
+from zoffbench.harness import RssSampler, parse_options, report, run_function
+from zoffbench.model_shapes import model_shape
+from zoffbench.results import ROOT, write_result
 
 # -- in the ranks (run with the tree measured first on PYTHONPATH) -----------------------------------------------
 

@@ -14,13 +14,10 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))  # scripts/lib: the scripts' library
-
-from harness import run_function
+from zoffbench.harness import run_function
 
 
 def build(work: str, width: int, blocks: int, ranks: int) -> None:

@@ -15,17 +15,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 from lightning_zoff import ops
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))  # scripts/lib: the scripts' library
-
-from results import write_result
+from zoffbench.results import write_result
 
 FUSED_BYTES = 28  # p, m, v: 12 read + 12 written; bf16 grad 2 read; bf16 copy 2 written
 BF16_MOMENTS_BYTES = 20  # p 4, m and v 2 + 2: 8 read + 8 written; grad and copy as above

@@ -21,9 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))  # scripts/lib: the scripts' library
-
-from results import ROOT, write_result
+from zoffbench.results import ROOT, write_result
 
 REFUSED = ROOT / "tests" / "scripts" / "refused.py"
 MISTAKES = ("manual", "sgd", "two", "missing", "foreign")

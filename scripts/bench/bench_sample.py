@@ -21,15 +21,11 @@ import argparse
 import ctypes
 import os
 import resource
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))  # scripts/lib: the scripts' library
-
-from harness import report, run_function
-from model_shapes import conf_model
-from results import ROOT, write_result
+from zoffbench.harness import report, run_function
+from zoffbench.model_shapes import conf_model
+from zoffbench.results import ROOT, write_result
 
 GPT_125M = conf_model("gpt_125m")
 PHASES = ("same_shape", "growing", "sample")

@@ -21,10 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))  # scripts/lib: the scripts' library
-
-from harness import parse_options
-from model_shapes import MODEL_NAMES, model_shape
+from zoffbench.harness import parse_options
+from zoffbench.model_shapes import MODEL_NAMES, model_shape
 
 GPTS = [name for name in MODEL_NAMES if "hf" not in model_shape(name)]  # the example GPT's shapes
 
@@ -49,7 +47,7 @@ def main() -> None:
     from lightning_zoff import ZoffStrategy
     from lightning_zoff.examples.corpus import CorpusDataModule
     from lightning_zoff.examples.gpt import GPTModule
-    from recorders import StepRecorder
+    from zoffbench.recorders import StepRecorder
 
     cfg = model_shape(args.model)
     options = parse_options(args.option)

@@ -16,9 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))  # scripts/lib: the scripts' library
-
-from harness import call
+from zoffbench.harness import call
 
 MODEL = dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256, lr=3e-3, weight_decay=0.1)
 BAD_STEP = 5
@@ -35,7 +33,7 @@ def run_mode(mode: str, steps: int, clip: float, accumulate: int) -> dict:
     from lightning_zoff import ZoffStrategy
     from lightning_zoff.examples.corpus import CorpusDataModule
     from lightning_zoff.examples.gpt import GPTModule
-    from recorders import StepRecorder
+    from zoffbench.recorders import StepRecorder
 
     class Poisoned(GPTModule):
         def training_step(self, batch, batch_idx):

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))  # scripts/lib: the scripts' library
-
-from harness import call
+from zoffbench.harness import call
 
 MODEL = dict(vocab_size=256, block_size=256, n_layer=6, n_head=8, n_embd=384, lr=1e-3, weight_decay=0.1)
 
@@ -30,7 +27,7 @@ def run_side(side: str, steps: int) -> dict:
     import lightning_zoff  # noqa: F401
     from lightning_zoff.examples.corpus import CorpusDataModule
     from lightning_zoff.examples.gpt import GPTModule
-    from recorders import StepRecorder
+    from zoffbench.recorders import StepRecorder
 
     pl.seed_everything(0)
     model = GPTModule(**MODEL)

@@ -26,11 +26,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))  # scripts/lib: the scripts' library
-
-from harness import run_command
-from model_shapes import MODEL_NAMES, model_shape
-from results import ROOT, result_path, write_result
+from zoffbench.harness import run_command
+from zoffbench.model_shapes import MODEL_NAMES, model_shape
+from zoffbench.results import ROOT, result_path, write_result
 
 BENCH = ROOT / "scripts" / "bench" / "bench.py"
 MOMENTS = {"zoff": 4, "zoff_bf16_moments": 2}

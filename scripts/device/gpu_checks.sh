@@ -74,11 +74,11 @@ for stage in "$@"; do
       timeout 240 python3 scripts/checks/check_capacity.py --model gpt7b --train-last 2 --steps 8 --batch 4 \
           --out "$OUT/finetune_gpt7b_last2.json" 2>&1 | grep -v "^INFO" | tail -12 | tee "$OUT/finetune_gpt7b.txt" ;;
     mainjob_qwen)  # the main job on Qwen3-4B's shape completes; peak host RSS of the whole job
-      timeout 330 python3 scripts/lib/peak_rss.py --out "$OUT/mainjob_qwen3_4b_rss.json" -- python3 scripts/train.py \
+      timeout 330 python3 scripts/bench/peak_rss.py --out "$OUT/mainjob_qwen3_4b_rss.json" -- python3 scripts/train.py \
           model=hf_qwen3_4b data=synthetic trainer.max_steps=6 hydra.run.dir=$PWD/outputs/run_qwen 2>&1 | grep -v "^INFO" | tail -30 | tee "$OUT/mainjob_qwen3_4b.txt"
       cp outputs/run_qwen/loss.png "$OUT/mainjob_qwen3_4b_loss.png" 2>/dev/null; ls -a outputs/run_qwen outputs/run_qwen/checkpoints; du -sh outputs/run_qwen | tee -a "$OUT/mainjob_qwen3_4b.txt"; rm -rf outputs/run_qwen ;;
     mainjob_7b)  # the 7B GPT with the options of its config's comment (12 B/param on the 128 GB host)
-      timeout 400 python3 scripts/lib/peak_rss.py --out "$OUT/mainjob_gpt_7b_rss.json" -- python3 scripts/train.py \
+      timeout 400 python3 scripts/bench/peak_rss.py --out "$OUT/mainjob_gpt_7b_rss.json" -- python3 scripts/train.py \
           model=gpt_7b data=synthetic trainer.max_steps=6 hydra.run.dir=$PWD/outputs/run_7b 2>&1 | grep -v "^INFO" | tail -30 | tee "$OUT/mainjob_gpt_7b.txt"
       cp outputs/run_7b/loss.png "$OUT/mainjob_gpt_7b_loss.png" 2>/dev/null; ls -a outputs/run_7b outputs/run_7b/checkpoints; du -sh outputs/run_7b | tee -a "$OUT/mainjob_gpt_7b.txt"; rm -rf outputs/run_7b ;;
     smoke_offload)  # quick: the host path with checkpointed activations, and "auto" moving the 1.34B GPT's state to the GPU

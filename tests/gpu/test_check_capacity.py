@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import run_command
+from zoffbench.harness import run_command
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "checks" / "check_capacity.py"
 HOST_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from harness import call
 from lightning_zoff.checkpoint.rank_files import RankFiles, Rows, Staging, write_rank_file
+from zoffbench.harness import call
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-CONF_MODEL = Path(__file__).resolve().parents[2] / "conf" / "model"
+CONF_MODEL = Path(__file__).resolve().parents[1] / "conf" / "model"
 
 # the models the scripts take by name: a conf/model option and the values that differ from it
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {

@@ -12,14 +12,14 @@ ended, and the schema of scripts/bench/bench.py's results.
 - `parse_options`: ZoffStrategy options from `key=value` strings (the models by name: model_shapes.py).
 - `BenchRun`, `StepMeasurement`, `RunFailure`: what each entry of scripts/bench/bench.py's JSON holds.
 
-No torch here (psutil and the standard library): a parent that measures its children's memory stays small, and Linux
+No torch here (psutil and the standard library): a parent that measures its children stays small, and Linux
 carries a process's peak RSS into the children it forks. The Lightning callbacks that record steps are in
-recorders.py, the file every benchmark writes in results.py. This directory, scripts/lib/, is the scripts' library: a
-script of scripts/bench/ or scripts/checks/ puts it on sys.path in its first lines and imports its modules by name
-(`from harness import call`); the tests get it from pytest's `pythonpath`. lightning_zoff comes from the environment:
-the checkout installed (`pip install -e .`), or on PYTHONPATH as scripts/device/gpu_checks.sh sets it.
+recorders.py, the file every benchmark writes in results.py. This package, zoffbench, is the scripts' library: the
+scripts of scripts/bench/ and scripts/checks/ import it (`from zoffbench.harness import call`) as they import
+lightning_zoff, from the environment: the checkout installed (`pip install -e .`), or on PYTHONPATH as
+scripts/device/gpu_checks.sh sets it.
 
-    python scripts/lib/harness.py FILE FUNCTION KWARGS_JSON    # the child of run_function: FUNCTION(**KWARGS) of FILE
+    python -m zoffbench.serve ROOT MODULE FUNCTION KWARGS_JSON    # run_function's child: MODULE.FUNCTION(**KWARGS)
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import ast
 import collections
 import contextlib
 import dataclasses
-import importlib.util
+import importlib
 import json
 import os
 import pickle
@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import IO, Any, Literal
 
 import psutil
@@ -312,8 +313,8 @@ def run_function(fn: Callable[..., Any], kwargs: dict[str, Any] | None = None, *
     """`fn(**kwargs)` in a fresh process (`run_command`'s `options`): `fn` is a top-level function of a file, `kwargs`
     JSON values. What it returns on a rank, unless None, is that rank's result; a function that returns None reports
     for itself (`report`), from a rank it forked for instance."""
-    file = Path(sys.modules[fn.__module__].__file__ or "").resolve()
-    command = [sys.executable, str(Path(__file__).resolve()), str(file), fn.__name__, json.dumps(kwargs or {})]
+    root, name = _importable_as(sys.modules[fn.__module__])
+    command = [sys.executable, "-m", "zoffbench.serve", str(root), name, fn.__name__, json.dumps(kwargs or {})]
     return run_command(command, **options)
 
 
@@ -337,18 +338,23 @@ def report(result: Any, rank: int | None = None) -> None:
     partial.replace(path)  # whole or not at all
 
 
-def _serve(file: str, function: str, kwargs: str) -> None:
-    """The child of run_function: imports `file` under its own name (so what it pickles unpickles in the parent), with
-    its directory first on sys.path as when Python runs it (its neighbours import), and reports what `function`
-    returns."""
-    sys.path.insert(0, str(Path(file).resolve().parent))
-    spec = importlib.util.spec_from_file_location(Path(file).stem, file)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"{file} is no Python file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    result = getattr(module, function)(**json.loads(kwargs))
+def _importable_as(module: ModuleType) -> tuple[Path, str]:
+    """The directory `module` is imported from and its name there: a package's module under its dotted name from the
+    package's parent, a script run by its path (`__main__`) or a test module under the file's stem from its own
+    directory, as Python and pytest import them."""
+    file = Path(module.__file__ or "").resolve()
+    spec = module.__spec__
+    name = spec.name if spec is not None else file.stem
+    depth = name.count(".") + (file.name == "__init__.py")
+    return file.parents[depth], name
+
+
+def serve(root: str, name: str, function: str, kwargs: str) -> None:
+    """The child of run_function (`python -m zoffbench.serve`): imports module `name` with `root` first on sys.path (so
+    what it pickles unpickles in the parent, and a script's neighbours import as when Python runs it) and reports what
+    `function` returns."""
+    sys.path.insert(0, root)
+    result = getattr(importlib.import_module(name), function)(**json.loads(kwargs))
     if result is not None:
         report(result)
 
@@ -432,7 +438,3 @@ class RunFailure:
 
     def fields(self) -> dict[str, Any]:
         return _fields(self, optional=("stderr_tail",))
-
-
-if __name__ == "__main__":
-    _serve(*sys.argv[1:])

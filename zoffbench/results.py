@@ -25,7 +25,7 @@ from typing import Any
 
 import psutil
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 
 

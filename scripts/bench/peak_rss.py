@@ -1,6 +1,6 @@
 """Run a command and report the peak resident memory of its whole process tree (the parent and its ranks).
 
-    python scripts/lib/peak_rss.py --out rss.json -- python scripts/train.py model=hf_qwen3_4b data=synthetic
+    python scripts/bench/peak_rss.py --out rss.json -- python scripts/train.py model=hf_qwen3_4b data=synthetic
 
 Samples every 0.5 s (harness.RssSampler); prints the peak of the sum over the tree and of each process, and the exit
 code. Exits with the command's code.
@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from harness import run_command
+from zoffbench.harness import run_command
 
 
 def main() -> None:

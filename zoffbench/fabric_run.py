@@ -13,6 +13,9 @@ from typing import Any
 
 import psutil
 
+from zoffbench.harness import StepMeasurement
+from zoffbench.host_floor import host_floor
+
 
 def _now() -> float:
     import torch
@@ -30,8 +33,6 @@ def run_fabric(run: Any, family: type, model_kwargs: dict[str, Any], adamw: dict
     import torch
     from lightning.fabric import Fabric
 
-    from bench_runs import host_floor
-    from harness import StepMeasurement
     from lightning_zoff import ZoffFabricStrategy
 
     fabric = Fabric(accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=devices,

@@ -17,9 +17,11 @@ from typing import Any
 
 import psutil
 
-from bench_deepspeed import DEEPSPEED_RUNS, ZERO_STAGE, build_strategy, optimizer_factory
-from harness import BenchRun, StepMeasurement, parse_options
-from model_shapes import model_shape
+from zoffbench.deepspeed_runs import DEEPSPEED_RUNS, ZERO_STAGE, build_strategy, optimizer_factory
+from zoffbench.fabric_run import run_fabric
+from zoffbench.harness import BenchRun, StepMeasurement, parse_options
+from zoffbench.host_floor import host_floor
+from zoffbench.model_shapes import model_shape
 
 # zoff variants: where the optimizer state lives, the synchronous engine, where the sum of an accumulation window
 # lives, the kernels' threads, bf16 moments
@@ -37,7 +39,7 @@ ZOFF_VARIANTS: dict[str, dict[str, Any]] = {
     # the 7B-on-128-GB configuration, all on the host
     "zoff_sync_bf16_moments": dict(overlap=False, optimizer_state_dtype="bf16", accelerator_state="none"),
 }
-# "zoff" trained in a plain Fabric loop (bench_fabric.py) instead of the Trainer
+# "zoff" trained in a plain Fabric loop (fabric_run.py) instead of the Trainer
 FABRIC_RUN = "zoff_fabric"
 DEFAULT_RUNS = ("gpu_only", "zoff", *DEEPSPEED_RUNS, "fsdp2_cpu_offload")
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -222,7 +224,7 @@ def zoff_module(run: RunSetting, trainer: Any) -> Any:
         return family(**kwargs, **ADAMW)
 
 
-# Every run bench.py builds with the Trainer (FABRIC_RUN has its own loop: bench_fabric.py). The same model and AdamW
+# Every run bench.py builds with the Trainer (FABRIC_RUN has its own loop: fabric_run.py). The same model and AdamW
 # hyperparameters (lr 1e-4, betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on matrices) everywhere. DeepSpeed's ZeRO-3
 # runs build the model under zero.Init, its ZeRO-2 runs as usual; FSDP2 casts to bf16 itself (MixedPrecisionPolicy),
 # so "32-true" keeps Lightning's plugin out of its way; zoff builds on the meta device, each rank its own units.
@@ -264,30 +266,6 @@ def cap_gpu_memory(gpu_memory_gb: float | None) -> None:
     torch.cuda.set_per_process_memory_fraction(gpu_memory_gb * 2**30 / total, device)
 
 
-def host_floor(strategy: Any, telemetry: dict[str, float], step_s: float) -> dict[str, float] | None:
-    """A zoff run's host update against the host's floor: the bytes its kernels move per second (each host parameter's
-    gradient read, master and moments read and written, 16-bit copy written) beside the copy bandwidth this machine's
-    cores reach on the kernels' threads (measured now, after training), and PCIe's bytes per second of step."""
-    engine = getattr(strategy, "engine", None)
-    if engine is None or "zoff/cpu_update_s" not in telemetry:
-        return None
-    from lightning_zoff import ops
-    from lightning_zoff.offload.placement import Placement
-
-    host = [u for u in engine.units if u.placement is Placement.HOST and u.trained]
-    probe = ops.stream_probe(nbytes=1 << 29, threads=engine.threads)
-    copy = max(probe["copy"], probe.get("copy_nt", 0.0))
-    floor = {"host_copy_gb_s": copy, "pcie_gb_s": (telemetry.get("zoff/d2h_gb", 0.0)
-                                                   + telemetry.get("zoff/h2d_gb", 0.0)) / step_s}
-    if host and telemetry["zoff/cpu_update_s"] > 0:
-        unit = host[0]
-        per_param = 2 * sum(t.element_size() for t in unit.state) + 2 * unit.param_dtype.itemsize
-        params = sum(u.master.numel() for u in host)
-        update = params * per_param / telemetry["zoff/cpu_update_s"] / 1e9
-        floor |= {"host_params": params, "host_update_gb_s": update, "host_update_of_copy": update / copy}
-    return floor
-
-
 def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int, batch: int, devices: int,
             zoff_option: list[str], ratio: float | None = None, gpu_memory_gb: float | None = None,
             layers: int | None = None, checkpointing: bool = False, clip: float | None = 1.0, seq: int | None = None,
@@ -298,8 +276,8 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
     import torch
 
     import lightning_zoff  # noqa: F401
-    from bench_data import RandomTokens
-    from recorders import WindowTimer
+    from zoffbench.data import RandomTokens
+    from zoffbench.recorders import WindowTimer
 
     cap_gpu_memory(gpu_memory_gb)
     zoff_options = parse_options(zoff_option)
@@ -314,8 +292,6 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
     run = bench_run(name, model_name, accumulate, batch, zoff_option, gpu_memory_gb, layers, checkpointing, ratio,
                     clip, seq, num_workers)
     if name == FABRIC_RUN:
-        from bench_fabric import run_fabric
-
         family, model_kwargs, options = fabric_parts(model_name, zoff_options, layers, checkpointing, seq)
         return run_fabric(run, family, model_kwargs, ADAMW, options, data, accumulate=accumulate, steps=steps,
                           warmup=warmup, batch=batch, devices=devices, block_size=cfg["block_size"],
