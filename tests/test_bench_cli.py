@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import bench
-from zoffbench import deepspeed_runs, harness, model_shapes, plot, results, runs
+from zoffbench import bench, deepspeed_runs, harness, model_shapes, plot, results, runs
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 

@@ -3,6 +3,7 @@
 - harness.py: child processes (`run_command`, `run_function`, `call`; serve.py is the child's entry), their memory and
   results, failure lines, the schema of bench.py's entries; model_shapes.py: the models by name; results.py:
   `write_result`, the one file rule; recorders.py: the Lightning callbacks that time steps.
+- bench.py: scripts/bench/bench.py's body (its options, the runs' table, the JSON and the plot).
 - runs.py: the runs scripts/bench/bench.py measures (`RUN_SPECS`, `run_one`), built from deepspeed_runs.py (DeepSpeed's
   configurations), fabric_run.py (the Fabric loop's run), data.py (the random tokens), host_floor.py (the host update
   against the machine's floor); plot.py draws a call's runs.
