@@ -1,7 +1,8 @@
 """The GPU acceptance checks: `python -m pytest tests/gpu` on the GPU machine is the acceptance run.
 
-Each test runs the training jobs of one scripts/checks/check_*.py in fresh processes (zoffbench/harness.py) and
-asserts on its summary. Without CUDA every test here is skipped at collection, so CI's `pytest tests` passes over them.
+Each test runs the training jobs of one check (zoffbench/checks/, behind scripts/checks/check_*.py) in fresh
+processes (zoffbench/harness.py) and asserts on its summary. Without CUDA every test here is skipped at collection,
+so CI's `pytest tests` passes over them.
 """
 
 from __future__ import annotations

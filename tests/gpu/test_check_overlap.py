@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-import check_overlap
+from zoffbench.checks import overlap
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_overlap_equals_sync_bit_for_bit(accumulate):
-    summary = check_overlap.compare(steps=12, accumulate=accumulate)
+    summary = overlap.compare(steps=12, accumulate=accumulate)
     assert summary["device"].startswith("cuda")
     # the run covers every decision: a skipped step (the poisoned one), clipped and unclipped steps
-    assert summary["skipped_steps"] == [check_overlap.BAD_STEP]
+    assert summary["skipped_steps"] == [overlap.BAD_STEP]
     assert summary["clipped_steps"] > 0
     assert summary["unclipped_steps"] > 0
-    for mode in check_overlap.OVERLAPPED:
+    for mode in overlap.OVERLAPPED:
         assert summary[mode]["bitwise_equal_to_sync"], (mode, summary)
     # with every speculation run before the decision, both of its outcomes happen: kept (unclipped) and redone
     assert summary["overlap_awaited"]["speculations"]["kept"] > 0

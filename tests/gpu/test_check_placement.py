@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-import check_placement
+from zoffbench.checks import placement
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_state_on_the_gpu_trains_as_on_the_host(accumulate):
-    summary = check_placement.compare(steps=12, accumulate=accumulate)
+    summary = placement.compare(steps=12, accumulate=accumulate)
     assert summary["device"].startswith("cuda")
-    for mode in check_placement.MODES:
+    for mode in placement.MODES:
         assert summary[mode]["max_rel_loss_diff_vs_host"] < 1e-5, (mode, summary)
     assert summary["none"]["placement"]["accelerator"][0] == 0
     assert summary["half"]["placement"]["accelerator"][0] > 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import check_reference
+from zoffbench.checks import reference
 
 STEPS = 30
 # bf16 rounds to 8 significant bits (2^-9 = 0.2% relative) in forward and backward, so the two runs drift apart a
@@ -13,7 +13,7 @@ MAX_REL_DIFF = 0.02
 
 
 def test_bf16_losses_follow_the_fp32_reference():
-    summary = check_reference.compare(steps=STEPS)
+    summary = reference.compare(steps=STEPS)
     assert summary["device"].startswith("cuda")
     assert len(summary["zoff"]) == len(summary["reference"]) == STEPS
     assert summary["max_rel_diff"] < MAX_REL_DIFF, [round(d, 4) for d in summary["rel_diff"]]

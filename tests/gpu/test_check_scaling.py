@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import check_scaling
+from zoffbench.checks import scaling
 
 DEVICES = 2
 # Only the reduction differs (bf16 gradients summed over 2 ranks instead of one batch's): at most 0.25% over 20 steps
@@ -15,7 +15,7 @@ MAX_REL_DIFF = 0.01
 
 @pytest.mark.skipif(torch.cuda.device_count() < DEVICES, reason=f"needs {DEVICES} GPUs (the H200 x2 machine or larger)")
 def test_two_gpus_follow_one_with_the_same_global_batch():
-    summary = check_scaling.compare(devices=DEVICES, steps=20)
+    summary = scaling.compare(devices=DEVICES, steps=20)
     ranks, one = summary["ranks"], summary["one_device"]
     assert len(ranks) == DEVICES
     assert all(rank["device"].startswith("cuda") for rank in ranks)
