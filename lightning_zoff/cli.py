@@ -4,7 +4,7 @@
 
 Model and data are chosen by `class_path` (any LightningModule / LightningDataModule), the strategy by its registered
 name (`zoff`, `zoff_no_offload`) or as `class_path: lightning_zoff.ZoffStrategy` with `init_args`. The progress bar and
-the quiet output are the main job's (`lightning_zoff.examples.progress`, `lightning_zoff.examples.quiet`).
+the quiet output are the main job's (`lightning_zoff.app.progress`, `lightning_zoff.app.quiet`).
 
 A bad value (one the parser refuses, an unknown option, a strategy name or a Trainer or class argument refused at
 construction) stops in at most three lines on stderr, `error: --key=value: ...` with what is accepted, and exit status
@@ -26,8 +26,8 @@ from lightning_utilities.core.imports import RequirementCache
 from typing_extensions import override
 
 import lightning_zoff  # noqa: F401  registers the strategy names before the trainer's arguments are parsed
-from lightning_zoff.examples.progress import progress_bar
-from lightning_zoff.examples.quiet import QuietRanks, quiet
+from lightning_zoff.app.progress import progress_bar
+from lightning_zoff.app.quiet import QuietRanks, quiet
 
 _CLI_EXTRA = RequirementCache("jsonargparse[signatures]>=4.27.7")  # what LightningCLI itself requires
 

@@ -41,11 +41,11 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_zoff import ZoffStatsMonitor, ZoffStrategy  # importing the package registers the "zoff" strategy names
-from lightning_zoff.examples import resume
+from lightning_zoff.app import resume
+from lightning_zoff.app.progress import progress_bar
+from lightning_zoff.app.quiet import QuietRanks, quiet
+from lightning_zoff.app.report import LossHistory, StepBreakdown, readable
 from lightning_zoff.examples.corpus import DataValueError
-from lightning_zoff.examples.progress import progress_bar
-from lightning_zoff.examples.quiet import QuietRanks, quiet
-from lightning_zoff.examples.report import LossHistory, StepBreakdown, readable
 from lightning_zoff.optim import update_rule_for
 from lightning_zoff.precision_math import SUPPORTED_PRECISION
 from train_overrides import hydra_refusal, unknown_keys

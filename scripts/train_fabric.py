@@ -24,7 +24,7 @@ from lightning.fabric.accelerators.cuda import num_cuda_devices
 from omegaconf import DictConfig
 
 from lightning_zoff import ZoffFabricStrategy
-from lightning_zoff.examples import resume
+from lightning_zoff.app import resume
 from train_overrides import hydra_refusal, unknown_keys
 
 

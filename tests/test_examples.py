@@ -4,9 +4,9 @@ import math
 import torch
 from torch.utils.data import DistributedSampler
 
+from lightning_zoff.app.resumable import ResumableLoader
 from lightning_zoff.examples.corpus import ByteWindows, CorpusDataModule, stdlib_bytes
 from lightning_zoff.examples.gpt import GPT, GPTConfig, GPTModule
-from lightning_zoff.examples.resumable import ResumableLoader
 
 SMALL = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)
 

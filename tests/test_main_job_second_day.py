@@ -24,9 +24,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from lightning_zoff.app import resume
+from lightning_zoff.app.report import readable
 from lightning_zoff.checkpoint import files as checkpoint_files
-from lightning_zoff.examples import resume
-from lightning_zoff.examples.report import readable
 from test_main_job import ROOT, SMALL, load_weights, train
 from train_overrides import CONF
 

@@ -1,4 +1,4 @@
-"""The main job's progress bar (`lightning_zoff.examples.progress`) counts the batches this run trains: right after a
+"""The main job's progress bar (`lightning_zoff.app.progress`) counts the batches this run trains: right after a
 resume too. One process, Lightning's own strategy: the bar is the application's, whatever the strategy."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from helpers.tiny import token_loader
 from helpers.tiny_module import TinyModule
-from lightning_zoff.examples.progress import RichStepsBar, TQDMStepsBar
+from lightning_zoff.app.progress import RichStepsBar, TQDMStepsBar
 
 
 class BarAtEnd(pl.Callback):

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lightning_zoff.examples.resumable import ResumableLoader
+from lightning_zoff.app.resumable import ResumableLoader
 
 
 def stdlib_bytes(max_bytes: int = 8_000_000) -> bytes:
