@@ -1,5 +1,6 @@
 """What a precision flag means to zoff, for either front door: the dtype of the accelerator's shards, the forward's
-autocast, the cast of the inputs, fp16's dynamic loss scale and the clipping request that the engine applies.
+autocast, the cast of the inputs, fp16's dynamic loss scale (`DynamicLossScaler`) and the clipping request that the
+engine applies. The doors' precision plugins (`trainer/precision.py`, `fabric/precision.py`) are glue over this.
 
 The fp32 master lives with the optimizer state in the engine, so no precision here ever converts a module: the
 accelerator's shards are cast while sharding (`sharding.shard_model`).
@@ -8,12 +9,12 @@ accelerator's shards are cast while sharding (`sharding.shard_model`).
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from lightning_zoff._compat import apply_to_tensors
-from lightning_zoff.loss_scale import DynamicLossScaler
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
 _ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed"}
@@ -78,3 +79,50 @@ class PrecisionMath:
     def take_clip_request(self) -> float | None:
         request, self.clip_norm_request = self.clip_norm_request, None
         return request
+
+
+@dataclass
+class DynamicLossScaler:
+    """fp16's dynamic loss scale: the loss is scaled up so small gradients survive fp16. On overflow the step is
+    skipped; after `hysteresis` overflows in a row the scale is multiplied by `backoff_factor` (not below
+    `min_scale`). After `growth_interval` good steps in a row it grows by `growth_factor`."""
+
+    scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 1000
+    hysteresis: int = 2
+    min_scale: float = 1.0
+    good_steps: int = 0
+    overflows_left: int = -1  # overflows still tolerated before backing off; -1: not started
+
+    def __post_init__(self) -> None:
+        if not (self.growth_factor > 1 and 0 < self.backoff_factor < 1 and self.growth_interval > 0
+                and self.hysteresis >= 1 and 0 < self.min_scale <= self.scale):
+            raise ValueError(
+                "DynamicLossScaler needs growth_factor > 1, 0 < backoff_factor < 1, growth_interval > 0,"
+                f" hysteresis >= 1 and 0 < min_scale <= scale; got {asdict(self)}"
+            )
+        if self.overflows_left < 0:
+            self.overflows_left = self.hysteresis
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.good_steps = 0
+            self.overflows_left -= 1
+            if self.overflows_left <= 0:
+                self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+                self.overflows_left = self.hysteresis
+            return
+        self.good_steps += 1
+        self.overflows_left = self.hysteresis
+        if self.good_steps >= self.growth_interval:
+            self.scale *= self.growth_factor
+            self.good_steps = 0
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)

@@ -13,7 +13,7 @@ import helpers.trainer
 from helpers.tiny import token_loader
 from helpers.tiny_module import TinyModule
 from lightning_zoff import ZoffPrecision, ZoffStrategy
-from lightning_zoff.loss_scale import DynamicLossScaler
+from lightning_zoff.precision_math import DynamicLossScaler
 
 BAD_STEP = 3
 
