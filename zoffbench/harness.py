@@ -29,6 +29,7 @@ import collections
 import contextlib
 import dataclasses
 import importlib
+import importlib.util
 import json
 import os
 import pickle
@@ -350,10 +351,13 @@ def _importable_as(module: ModuleType) -> tuple[Path, str]:
 
 
 def serve(root: str, name: str, function: str, kwargs: str) -> None:
-    """The child of run_function (`python -m zoffbench.serve`): imports module `name` with `root` first on sys.path (so
-    what it pickles unpickles in the parent, and a script's neighbours import as when Python runs it) and reports what
-    `function` returns."""
-    sys.path.insert(0, root)
+    """The child of run_function (`python -m zoffbench.serve`): imports module `name` under the parent's name for it
+    (so what it pickles unpickles in the parent) and reports what `function` returns. A script's or a test module's
+    directory `root` goes first on sys.path, as when Python runs it (its neighbours import); a package this environment
+    provides (zoffbench's modules) is imported as found, so that the checkout's root never comes before PYTHONPATH (a
+    source tree measured there keeps its own lightning_zoff)."""
+    if importlib.util.find_spec(name.partition(".")[0]) is None:
+        sys.path.insert(0, root)
     result = getattr(importlib.import_module(name), function)(**json.loads(kwargs))
     if result is not None:
         report(result)
