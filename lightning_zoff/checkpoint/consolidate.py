@@ -10,7 +10,6 @@ the batch's tensors are read from the shards straight into their places in it.
 
 from __future__ import annotations
 
-import argparse
 import mmap
 import os
 import sys
@@ -112,20 +111,3 @@ def _batches(names: list[str], tensors: dict[str, torch.Tensor], budget: int) ->
         size += tensors[name].nbytes
     if batch:
         yield batch
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lightning_zoff.consolidate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("ckpt_dir", help="a sharded zoff checkpoint (directory)")
-    parser.add_argument("out_file", help="the fp32 file to write")
-    parser.add_argument("--buffer-mb", type=int, default=256, help="tensors read per batch (MiB); bounds the memory")
-    parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
-    try:
-        consolidate(args.ckpt_dir, args.out_file, args.buffer_mb, progress=not args.no_progress)
-    except CheckpointError as err:
-        sys.exit(f"error: {err}")
-
-
-if __name__ == "__main__":
-    main()

@@ -60,7 +60,7 @@ def peak_rss() -> int:
 
 def consolidate_peak(ckpt: str, out: str, buffer_mb: int) -> int:
     """Consolidate `ckpt` into `out` (in a child): the child's peak."""
-    from lightning_zoff.checkpoint.consolidate import main
+    from lightning_zoff.consolidate import main
 
     main([ckpt, out, "--buffer-mb", str(buffer_mb), "--no-progress"])
     return peak_rss()
