@@ -129,10 +129,9 @@ def test_best_checkpoint_loads_as_the_users_network_with_ddps_outputs(ddp, zoff,
 def resume(out: Path, strategy, trained: pl.Trainer) -> list[float]:
     """One epoch more from `trained`'s best checkpoint: the validation losses from there on."""
     out.mkdir()
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, max_epochs=EPOCHS + 1,
-                         enable_progress_bar=False, enable_checkpointing=False, callbacks=[ValLosses(out)])
-    trainer.fit(TakesItsNetwork(TinyLM()), Tokens(), ckpt_path=trained.checkpoint_callback.best_model_path,
-                weights_only=False)  # the checkpoint holds the user's network classes
+    helpers.trainer.fit(TakesItsNetwork(TinyLM()), Tokens(), strategy, callbacks=[ValLosses(out)],
+                        max_epochs=EPOCHS + 1, ckpt_path=trained.checkpoint_callback.best_model_path,
+                        weights_only=False)  # the checkpoint holds the user's network classes
     return val_losses(out)
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+import helpers.trainer
 from helpers.tiny import token_loader
 from helpers.tiny_module import TinyModule
 from lightning_zoff import ZoffStrategy
@@ -58,10 +59,9 @@ def test_each_rank_says_its_own_cpu_layout_at_debug_level():
 
 def test_consolidate_shows_only_its_progress(tmp_path, capsys):
     pl.seed_everything(1)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ZoffStrategy(start_method="fork"), max_steps=1,
-                         logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)])
-    trainer.fit(TinyModule(), token_loader(n=8))
+    helpers.trainer.fit(TinyModule(), token_loader(n=8), ZoffStrategy(start_method="fork"), max_steps=1,
+                        callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)],
+                        enable_checkpointing=True)
     capsys.readouterr()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -171,13 +171,10 @@ def window_error(tmp_path, accum, where):
     g = torch.Generator().manual_seed(0)
     cs = (1 + torch.randint(0, 256, (WINDOW, 64), generator=g) / 256).to(torch.bfloat16).float()
     data = torch.utils.data.TensorDataset(torch.zeros(2 * WINDOW, 1))  # only the batch count matters
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=2,
-        strategy=ZoffStrategy(start_method="fork", grad_accum_dtype=accum, grad_accum_on=where),
-        precision="bf16-mixed", max_steps=1, accumulate_grad_batches=WINDOW, callbacks=[ReadWindowGradient(tmp_path)],
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )
-    trainer.fit(WindowSum(cs), torch.utils.data.DataLoader(data, batch_size=1))
+    helpers.trainer.fit(WindowSum(cs), torch.utils.data.DataLoader(data, batch_size=1),
+                        ZoffStrategy(start_method="fork", grad_accum_dtype=accum, grad_accum_on=where),
+                        precision="bf16-mixed", max_steps=1, accumulate=WINDOW,
+                        callbacks=[ReadWindowGradient(tmp_path)])
     exact = 2 * cs.double().sum(0) / WINDOW  # summed over both ranks: the engine's sum before the 1/world
     errors = []
     for rank in (0, 1):
@@ -203,7 +200,7 @@ def test_window_sum_precision_table(tmp_path):
 
 
 def test_accumulation_dtype_must_fit_the_model():
-    from lightning_zoff.checks import check_accum_dtype
+    from lightning_zoff.doors import check_accum_dtype
 
     with pytest.raises(ValueError, match=r"grad_accum_dtype='fp8'; choose 'bf16', 'fp16' or 'fp32'"):
         ZoffStrategy(grad_accum_dtype="fp8")
@@ -242,12 +239,9 @@ class RecordSkips(pl.Callback):
     ("fp16", "host", True), ("fp16", "accelerator", True), ("fp32", "host", False), ("fp32", "accelerator", False),
 ])
 def test_overflow_is_judged_on_the_stored_sum(tmp_path, accum, where, skipped):
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=2, plugins=[ZoffPrecision("16-true", scale=16.0)],
-        strategy=ZoffStrategy(start_method="fork", grad_accum_dtype=accum, grad_accum_on=where),
-        max_steps=1, accumulate_grad_batches=WINDOW, callbacks=[RecordSkips(tmp_path)], logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )
     data = torch.utils.data.TensorDataset(torch.zeros(2 * WINDOW, 1))
-    trainer.fit(LargeGradients(), torch.utils.data.DataLoader(data))
+    helpers.trainer.fit(LargeGradients(), torch.utils.data.DataLoader(data),
+                        ZoffStrategy(start_method="fork", grad_accum_dtype=accum, grad_accum_on=where),
+                        max_steps=1, accumulate=WINDOW, callbacks=[RecordSkips(tmp_path)],
+                        plugins=[ZoffPrecision("16-true", scale=16.0)])
     assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)] == [skipped, skipped]
