@@ -2,7 +2,11 @@
 `ShardedTraining`, held as the `contract.Core` that states what a door may ask of it, the views of it benchmarks and
 callbacks read, where the rank stands, how the ranks start and the collectives. Each door mixes this in before its
 Lightning base class, whose rank and device attributes it reads and whose methods of the same names it stands in
-for."""
+for.
+
+And what zoff refuses whichever door it came in by, before anything is sharded or allocated: the optimizer (one, of a
+class the engine has an update for) and a gradient-sum dtype the model's precision cannot accumulate in. The options
+themselves are checked by `ZoffConfig`; the Trainer's door adds its own (`trainer/checks.py`)."""
 
 from __future__ import annotations
 
@@ -13,12 +17,13 @@ import torch
 from lightning.fabric.plugins.environments import ClusterEnvironment
 
 from lightning_zoff._compat_lightning import set_strategy_launcher
-from lightning_zoff.config import ZoffConfig
+from lightning_zoff.config import ACCUM_DTYPES, ZoffConfig
 from lightning_zoff.contract import Core
 from lightning_zoff.launch import group as rank_group, ranks
 from lightning_zoff.launch.cpus import CpuLayout
 from lightning_zoff.launch.group import RankGroup
 from lightning_zoff.offload import OffloadEngine, StepOutcome
+from lightning_zoff.optim.rules import update_rule_for
 from lightning_zoff.training import ShardedTraining
 
 
@@ -122,3 +127,29 @@ class FrontDoor:
             self.cluster_environment, self.process_group_backend, self.config.timeout, device=self.root_device,
             global_rank=self.global_rank, local_rank=self.local_rank, per_node=self.num_processes,
             cpu_threads=self.config.cpu_threads, offload=self.config.offload)
+
+
+# -- what either door refuses ---------------------------------------------------------------------------------
+
+ONE_OPTIMIZER = (
+    "strategy='zoff' drives exactly one optimizer; {} {}. Put all parameters in one optimizer, using param groups for"
+    " different settings."
+)
+
+
+def check_optimizers(optimizers: list[Any], given_by: str = "configure_optimizers returned") -> None:
+    """Refuse what the engine cannot step: other than one optimizer, or one of a class zoff has no update for."""
+    if len(optimizers) != 1:
+        raise ValueError(ONE_OPTIMIZER.format(given_by, len(optimizers)))
+    update_rule_for(optimizers[0])
+
+
+def check_accum_dtype(grad_accum_dtype: str, precision: str, param_dtype: torch.dtype) -> None:
+    # The window's gradient sum lives on the host in fp32, or in the model's own 16-bit dtype (half the bytes,
+    # rounded at every micro-batch); another dtype would round differently from both.
+    valid = sorted({"fp32"} | {name for name, dtype in ACCUM_DTYPES.items() if dtype == param_dtype})
+    if grad_accum_dtype not in valid:
+        raise ValueError(
+            f"grad_accum_dtype={grad_accum_dtype!r} cannot accumulate gradients of a {precision} model; choose one"
+            f" of {valid}."
+        )

@@ -35,10 +35,9 @@ from lightning_zoff._compat_lightning import (
     fabric_strategy_precision,
     set_fabric_strategy_precision,
 )
-from lightning_zoff.checks import check_accum_dtype, check_optimizers
 from lightning_zoff.config import ZoffConfig, with_options_doc
 from lightning_zoff.contract import Core
-from lightning_zoff.doors import FrontDoor
+from lightning_zoff.doors import FrontDoor, check_accum_dtype, check_optimizers
 from lightning_zoff.fabric import checkpoints
 from lightning_zoff.fabric.precision import ZoffFabricPrecision
 from lightning_zoff.launch import ranks

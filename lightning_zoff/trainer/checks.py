@@ -1,4 +1,4 @@
-"""What ZoffStrategy refuses beyond what either door does (`lightning_zoff.checks`), each as early as it can be known:
+"""What ZoffStrategy refuses beyond what either door does (`lightning_zoff.doors`), each as early as it can be known:
 the Trainer's settings and the model in setup (and in the launcher, before any rank starts, with the optimizer); a
 predict dataloader before its first batch."""
 
@@ -11,7 +11,7 @@ import torch.distributed as dist
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper
 
 from lightning_zoff._compat_lightning import distributed_is_initialized, optimizers_of
-from lightning_zoff.checks import check_optimizers
+from lightning_zoff.doors import check_optimizers
 
 
 def check_supported(trainer: Any, module: Any) -> None:

@@ -1,7 +1,7 @@
 """ZoffStrategy: the Trainer's front door to ZeRO-3 sharding (FSDP2) with the optimizer on the CPU; Lightning glue,
 no tensor math. Its options are a `ZoffConfig`; the sharded model, its engine, memory and checkpoints are one
-`ShardedTraining` (the object Fabric's door drives too); it runs each rank through `launch.ranks` and refuses via
-`checks`."""
+`ShardedTraining` (the object Fabric's door drives too); it runs each rank through `launch.ranks` and refuses what
+either door refuses (`doors`) and what only the Trainer's does (`trainer/checks`)."""
 
 from __future__ import annotations
 
@@ -25,10 +25,9 @@ from lightning_zoff._compat_lightning import (
     set_strategy_precision_plugin,
     strategy_precision_plugin,
 )
-from lightning_zoff.checks import ONE_OPTIMIZER, check_accum_dtype, check_optimizers
 from lightning_zoff.config import ParamInitFn, StartMethod, ZoffConfig, with_options_doc
 from lightning_zoff.contract import Core
-from lightning_zoff.doors import FrontDoor
+from lightning_zoff.doors import ONE_OPTIMIZER, FrontDoor, check_accum_dtype, check_optimizers
 from lightning_zoff.launch import ranks
 from lightning_zoff.launch.cpus import CpuLayout
 from lightning_zoff.trainer.checks import check_predict_batches, check_supported
