@@ -7,6 +7,8 @@
 - runs.py: the runs scripts/bench/bench.py measures (`RUN_SPECS`, `run_one`), built from deepspeed_runs.py (DeepSpeed's
   configurations), fabric_run.py (the Fabric loop's run), data.py (the random tokens), host_floor.py (the host update
   against the machine's floor); plot.py draws a call's runs.
+- sample_bench.py, consolidate_bench.py: the bodies of scripts/bench/bench_sample.py and bench_consolidate.py (their
+  ranks' functions run in children by name).
 - checks/: the checks behind scripts/checks/check_{overlap,placement,reference,scaling}.py, which tests/gpu runs.
 
 Imports go one way: the runs import the library modules, never the reverse, and nothing here imports a script
