@@ -24,14 +24,16 @@ from lightning_zoff.offload import (
     OffloadEngine,
     Placement,
     StateOptions,
+    UnitShape,
     accelerator_holds_all,
     back_for_room,
     describe_memory,
     measure_machine,
+    padded_shard_numel,
     plan_memory,
     size,
 )
-from lightning_zoff.sharding import block_classes, recompute_activations, unit_shapes_before_sharding
+from lightning_zoff.sharding import block_classes, recompute_activations, unit_params
 from lightning_zoff.units import Unit, forward_order
 
 log = logging.getLogger("lightning_zoff")
@@ -202,3 +204,21 @@ class Memory:
                 f" accelerator (accelerator_state={config.accelerator_state!r}), chosen from the steps' peak memory;"
                 f" this step needed more. {advice}"
             ) from err
+
+
+def unit_shapes_before_sharding(model: nn.Module, units: list[Unit], world_size: int,
+                                param_bytes: int) -> tuple[list[UnitShape], int]:
+    """Each unit's shape on a rank as the engine will see it once sharded, assuming the optimizer trains every
+    parameter that requires a gradient (an upper bound of its state), and the bytes of the rank's shards of the
+    model; from shapes alone, so a model on the meta device costs nothing to plan."""
+    taken: dict[str, torch.Tensor] = {}
+    shapes, model_bytes = [], 0
+    for unit in units:  # the order shard_model takes them in: a unit owns what no earlier unit took
+        reduced = 0
+        for name, p in unit_params(model, unit, taken):
+            taken[name] = p
+            padded = padded_shard_numel(p.shape, world_size)
+            model_bytes += padded * param_bytes
+            reduced += padded if p.requires_grad else 0
+        shapes.append(UnitShape(unit.name, reduced, reduced, True))
+    return shapes, model_bytes

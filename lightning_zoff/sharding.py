@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
 
@@ -26,7 +26,6 @@ from lightning_zoff._compat import (
     replace_direct_tensor,
     set_recompute,
 )
-from lightning_zoff.offload import UnitShape, padded_shard_numel
 from lightning_zoff.units import Unit
 
 
@@ -68,7 +67,7 @@ def shard_model(
         for module in unit.modules:
             materialize(module, init_fn)  # the inner units are real already; this takes what is left
         with torch.no_grad():  # looked up again: materialising replaced the parameter objects
-            for name, p in _untaken(model, unit, masters):
+            for name, p in unit_params(model, unit, masters):
                 masters[name] = local_chunk(p.detach(), world_size, rank).to(torch.float32, copy=True)
                 p.data = p.data.to(param_dtype)
         for module in unit.modules:
@@ -112,24 +111,6 @@ def inputs_in(param_dtype: torch.dtype, device_type: str = "cpu") -> MixedPrecis
     return MixedPrecisionPolicy(param_dtype=param_dtype if sixteen_bit else None, cast_forward_inputs=sixteen_bit)
 
 
-def unit_shapes_before_sharding(model: nn.Module, units: list[Unit], world_size: int,
-                                param_bytes: int) -> tuple[list[UnitShape], int]:
-    """Each unit's shape on a rank as the engine will see it once sharded, assuming the optimizer trains every
-    parameter that requires a gradient (an upper bound of its state), and the bytes of the rank's shards of the
-    model; from shapes alone, so a model on the meta device costs nothing to plan."""
-    taken: dict[str, torch.Tensor] = {}
-    shapes, model_bytes = [], 0
-    for unit in units:  # the order shard_model takes them in: a unit owns what no earlier unit took
-        reduced = 0
-        for name, p in _untaken(model, unit, taken):
-            taken[name] = p
-            padded = padded_shard_numel(p.shape, world_size)
-            model_bytes += padded * param_bytes
-            reduced += padded if p.requires_grad else 0
-        shapes.append(UnitShape(unit.name, reduced, reduced, True))
-    return shapes, model_bytes
-
-
 def _output_not_a_view(module: nn.Module, args: Any, output: Any) -> Any:
     """A unit's output that is a view, as a tensor of its own (a copy); None (the output as it is) otherwise.
 
@@ -155,7 +136,8 @@ def _holds_a_view(output: Any) -> bool:
     return False
 
 
-def _untaken(model: nn.Module, unit: Unit, taken: dict[str, torch.Tensor]) -> list[tuple[str, nn.Parameter]]:
+def unit_params(model: nn.Module, unit: Unit, taken: Container[str]) -> list[tuple[str, nn.Parameter]]:
+    """The parameters `unit` owns, by name: those it holds that no earlier unit (`taken`, names) took."""
     return [(name, p) for name, p in model.named_parameters() if unit.holds(name) and name not in taken]
 
 
