@@ -1,6 +1,7 @@
-"""The house: a core that imports no Lightning, a config that loads no engine, an engine whose outsiders use only
-what its package exports, and two front doors that importing the package registers, whichever comes first. Each
-import check runs in a fresh Python process, so what this one imported does not count."""
+"""The house: a core that imports no Lightning, a config and a sharding that load no engine, an engine whose outsiders
+use only what its package exports, a library that imports neither its application (app/) nor its examples, and two
+front doors that importing the package registers, whichever comes first. Each import check runs in a fresh Python
+process, so what this one imported does not count; the checks of what a module imports read its source."""
 
 from __future__ import annotations
 
@@ -88,3 +89,61 @@ def test_importing_the_package_registers_both_doors_when_lightning_came_before_i
                  "from lightning.pytorch.strategies import StrategyRegistry\nimport lightning_zoff\n"
                  "print(sorted(n for n in (*STRATEGY_REGISTRY, *StrategyRegistry) if n.startswith('zoff')))")
     assert out == "['zoff', 'zoff', 'zoff_no_offload', 'zoff_no_offload']"
+
+
+def module_path(module: str) -> Path | None:
+    """The file of `module` of the package (a package's __init__.py), None if it is not one."""
+    base = REPO.joinpath(*module.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def package_imports(path: Path) -> set[str]:
+    """The modules of lightning_zoff that `path` imports (`from package import module` counts the module)."""
+    package = ["lightning_zoff", *path.relative_to(PACKAGE).parent.parts]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            found.add(module)
+            found |= {f"{module}.{alias.name}" for alias in node.names if module_path(f"{module}.{alias.name}")}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return {module for module in found if module.split(".")[0] == "lightning_zoff" and module_path(module)}
+
+
+def loaded_with(module: str) -> set[str]:
+    """Every module of lightning_zoff that importing `module` loads, its packages' __init__ included."""
+    loaded: set[str] = set()
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        parts = name.split(".")
+        for found in {".".join(parts[:i]) for i in range(1, len(parts) + 1)} - loaded:
+            loaded.add(found)
+            path = module_path(found)
+            assert path is not None, found
+            todo += package_imports(path)
+    return loaded
+
+
+def test_the_library_imports_neither_its_application_nor_its_examples():
+    # app/ (the main job's and the CLI's machinery) and examples/ use the library, never the other way round; the
+    # CLI's command is the application's
+    outside = ("lightning_zoff.app", "lightning_zoff.examples")
+    strays = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if {PACKAGE / "app", PACKAGE / "examples"} & set(path.parents) or path == PACKAGE / "cli.py":
+            continue
+        strays += [f"{path.relative_to(REPO)}: {module}" for module in sorted(package_imports(path))
+                   if module.startswith(outside)]
+    assert not strays, "\n".join(strays)
+
+
+def test_sharding_loads_no_engine():
+    # how the model is cut into units: the engine plans and steps them, sharding knows nothing of it
+    engine = ("lightning_zoff.offload", "lightning_zoff.optim", "lightning_zoff.ops")
+    assert sorted(m for m in loaded_with("lightning_zoff.sharding") if m.startswith(engine)) == []
