@@ -185,6 +185,7 @@ def test_models_and_default_runs():
         runs.model_spec("qwen3_4b", layers=20)
 
 
+@pytest.mark.slow
 def test_cpu_run_records_model_and_gpu_memory(tmp_path):
     """The whole command line on the CPU (about 15 s once the kernels are built): the entry carries the model and the
     cap (which a CPU run records and cannot apply), and the PNG lands next to the JSON."""

@@ -98,6 +98,7 @@ def test_moments_load_into_a_run_of_the_other_dtype(request, tmp_path, saved, lo
         assert resumed[rank]["losses"] == pytest.approx(full[rank]["losses"][6:8], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_resumes_with_another_placement_of_the_state(run, tmp_path):
     """One layout whatever the placement: the host run's checkpoint resumes with every unit's state on the
     "accelerator" (torch ops on CPU tensors here) and from the same moments; a checkpoint saved with half the state
@@ -165,6 +166,7 @@ def first_loss(state_dict: dict, batch_file: Path) -> float:
         return F.cross_entropy(model.model(x).float().flatten(0, 1), y.flatten()).item()
 
 
+@pytest.mark.slow
 def test_consolidated_file_loads_into_the_plain_model(run, consolidated):
     out, full = run
     state = consolidated["state_dict"]
@@ -195,6 +197,7 @@ torch.save(torch.load(sys.argv[1], weights_only=True)["state_dict"], sys.argv[2]
 """
 
 
+@pytest.mark.slow
 def test_full_file_loads_without_zoff_and_resumes(run, consolidated, tmp_path):
     _, full = run
     resume_fit(tmp_path / "run", max_steps=6, state_dict_type="full",
@@ -212,6 +215,7 @@ def test_full_file_loads_without_zoff_and_resumes(run, consolidated, tmp_path):
         assert resumed[rank]["losses"] == full[rank]["losses"][6:]
 
 
+@pytest.mark.slow
 def test_fp16_loss_scale_and_lr_schedule_survive(tmp_path):
     def fp16():  # grows the scale every 2 good steps, so a reset scaler would show
         return [ZoffPrecision("16-mixed", scale=2.0**8, growth_interval=2)]
@@ -227,6 +231,7 @@ def test_fp16_loss_scale_and_lr_schedule_survive(tmp_path):
         assert resumed[rank]["lr"] == full[rank]["lr"] == [3e-3 * 0.5**4, 6e-3 * 0.5**4]
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_save_leaves_the_previous_checkpoint(run, tmp_path):
     _, full = run
     script = Path(__file__).parent / "scripts" / "killed_save.py"
@@ -321,6 +326,7 @@ def _two_nodes(out: Path, *ckpt: Path) -> dict:
     return {rank: read_probe(out / "run", rank) for rank in (0, 1)}
 
 
+@pytest.mark.slow
 def test_two_nodes_train_and_resume_like_one_node(run, tmp_path):
     # the same global batch over 2 nodes x 1 process as over 1 node x 2 processes: the same bits
     _, full = run

@@ -122,6 +122,7 @@ def with_a_frozen_block() -> TinyModule:
     return module
 
 
+@pytest.mark.slow
 def test_frozen_parameters_are_saved_as_the_model_holds_them_and_resume(tmp_path):
     bf16 = lambda: [ZoffPrecision("bf16-mixed")]  # noqa: E731
     every6 = ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1, every_n_train_steps=6)

@@ -105,6 +105,7 @@ def outputs_of(checkpoint: Path) -> tuple[torch.nn.Module, torch.Tensor]:
         return module.net, module.net(INPUTS[:4])
 
 
+@pytest.mark.slow  # the `ddp` and `zoff` fixtures train for several epochs
 def test_losses_and_best_epoch_match_ddp(ddp, zoff):
     (ddp_out, ddp_trainer), (zoff_out, zoff_trainer) = ddp, zoff
     assert len(val_losses(zoff_out)) == EPOCHS
@@ -112,6 +113,7 @@ def test_losses_and_best_epoch_match_ddp(ddp, zoff):
     assert best_epoch(zoff_trainer) == best_epoch(ddp_trainer)
 
 
+@pytest.mark.slow
 def test_best_checkpoint_loads_as_the_users_network_with_ddps_outputs(ddp, zoff, tmp_path):
     """A full export loads as it is; a sharded directory once consolidated into one file."""
     (_, ddp_trainer), (_, zoff_trainer) = ddp, zoff
@@ -135,6 +137,7 @@ def resume(out: Path, strategy, trained: pl.Trainer) -> list[float]:
     return val_losses(out)
 
 
+@pytest.mark.slow
 def test_resumes_from_the_best_checkpoint_as_ddp_does(ddp, zoff, tmp_path):
     (_, ddp_trainer), (_, zoff_trainer) = ddp, zoff
     ours = resume(tmp_path / "zoff", ZoffStrategy(start_method="fork"), zoff_trainer)
@@ -143,6 +146,7 @@ def test_resumes_from_the_best_checkpoint_as_ddp_does(ddp, zoff, tmp_path):
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_tests_the_best_checkpoint_as_ddp_does(ddp, zoff):
     (_, ddp_trainer), (_, zoff_trainer) = ddp, zoff
     ours, theirs = (trainer.test(TakesItsNetwork(TinyLM()), Tokens(), ckpt_path="best", weights_only=False)

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CLI = ROOT / "conf" / "cli"
 
 
+@pytest.mark.slow
 def test_fit_from_yaml_with_the_strategy_name(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     # Lightning starts rank 1 by re-running this command: every rank reads the same files
@@ -67,6 +68,7 @@ def test_class_path_variant_sets_the_options():
     assert optimizer.defaults["lr"] == 1e-3
 
 
+@pytest.mark.slow
 def test_hugging_face_model_from_yaml_trains(tmp_path):
     # in this process, the ranks forked (zoff_class_path.yaml): the command-line run is the GPT test's above
     cli = main(["fit", "--config", str(CLI / "hf_qwen3_tiny.yaml"), "--config", str(CLI / "zoff_class_path.yaml"),

@@ -7,13 +7,17 @@ import json
 from pathlib import Path
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch._dynamo.utils import counters
 
+from helpers.compare import rel_err
 from helpers.tiny_module import TinyModule, read_probe
 from lightning_zoff import ZoffStrategy
-from test_training import fit, rel_err
+from test_training import fit
+
+pytestmark = pytest.mark.slow  # torch.compile's first compilation of the blocks takes seconds
 
 
 class CompiledBlocks(TinyModule):

@@ -103,6 +103,7 @@ def test_the_lora_option_trains_rank_8_adapters_of_every_linear_layer_of_the_tin
     assert sum(p.numel() for p in module.parameters()) == 106_816 + 16_384  # the base and 2 x 8192 adapter elements
 
 
+@pytest.mark.slow
 def test_the_tiny_models_build_and_the_large_models_have_their_sizes():
     tiny = instantiate(compose_train().model)
     assert isinstance(tiny, GPTModule)

@@ -54,6 +54,7 @@ def runs(tmp_path_factory) -> dict:
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("door", list(DOORS))
 def test_the_door_trains_as_torch_adamw_on_one_process(runs, door):
     losses, weights = runs(door)

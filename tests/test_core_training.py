@@ -16,6 +16,8 @@ from helpers.compare import rel_err
 from helpers.core_run import ACCUMULATE, MAX_NORM
 from helpers.reference import train_on_one_process
 
+pytestmark = pytest.mark.slow  # the ranks start in an interpreter of their own (the module's fixture)
+
 TESTS = Path(__file__).resolve().parent
 STEPS = 4
 

@@ -142,6 +142,7 @@ def run_refused(tmp_path: Path, *args: str, kernel_cache: Path | None = None) ->
     return proc.returncode, (proc.stdout + proc.stderr).rstrip().splitlines(), events
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("mistake", "message"), [
     ("manual", "ValueError: strategy='zoff' supports automatic optimization only"),
     ("sgd", "TypeError: strategy='zoff' runs the optimizer step on the CPU and supports torch.optim.AdamW"),
@@ -178,6 +179,7 @@ def checkpoint_of_another_model(tmp_path: Path) -> Path:
     return tmp_path / "other" / "last.ckpt"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("mistake", "message"), [
     # every rank finds it when it compares the checkpoint with its model
     ("other", r"(\[rank[01]\]: )lightning_zoff\.checkpoint\.files\.CheckpointError: .*/meta\.pt: written for another"),

@@ -46,6 +46,7 @@ def test_registered_by_name_in_fabric():
     assert not Fabric(accelerator="cpu", devices=2, strategy="zoff_no_offload").strategy.config.offload
 
 
+@pytest.mark.slow
 def test_zoff_matches_ddp_adamw_with_accumulation_and_clipping(tmp_path):
     steps = 6
     ddp = Fabric(accelerator="cpu", devices=2, strategy="ddp_fork").launch(
@@ -147,6 +148,7 @@ def fabric_run(tmp_path_factory):
     return path, zoff_fabric().launch(train, STEPS, save=str(path), save_at=SAVED_AT)
 
 
+@pytest.mark.slow
 def test_fabric_checkpoint_resumes_on_three_ranks_in_fabric_and_in_the_trainer(fabric_run, tmp_path):
     path, full = fabric_run
     assert path.is_dir()
@@ -172,6 +174,7 @@ def test_a_fabric_checkpoint_without_a_step_count_is_refused_by_the_trainer_befo
     assert trainer.strategy.launcher.procs == []  # no rank started
 
 
+@pytest.mark.slow
 def test_trainer_checkpoint_resumes_on_three_ranks_in_fabric(fabric_run, tmp_path):
     every4 = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=SAVED_AT)
     trainer = trainer_fit(tmp_path, 2, 0, STEPS, callbacks=[every4])

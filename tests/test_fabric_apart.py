@@ -25,6 +25,7 @@ def zoff_fabric(devices: int = 2) -> Fabric:
     return Fabric(accelerator="cpu", devices=devices, strategy=ZoffFabricStrategy(start_method="fork"))
 
 
+@pytest.mark.slow
 def test_apart_matches_ddp_and_equals_the_joint_setup(tmp_path):
     ddp = Fabric(accelerator="cpu", devices=2, strategy="ddp_fork").launch(
         train, STEPS, accumulate=ACCUMULATE, apart=True, weights_to=str(tmp_path / "ddp.pt"))
@@ -50,6 +51,7 @@ def test_apart_matches_ddp_and_equals_the_joint_setup(tmp_path):
     assert report["host_units"] > 0
 
 
+@pytest.mark.slow
 def test_apart_resumes_from_fabric_save_in_a_new_process(tmp_path):
     path = tmp_path / "step3.ckpt"
     whole = zoff_fabric().launch(train, STEPS, accumulate=ACCUMULATE, apart=True, save=str(path), save_at=3)

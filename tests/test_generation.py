@@ -151,6 +151,7 @@ MODELS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
 def test_sample_under_zoff_gathers_once_and_gives_the_tokens_of_full_forwards(tmp_path, model):
     build, logits_of = MODELS[model]
@@ -205,6 +206,7 @@ class HeapGrowth(pl.Callback):
         (self.out / f"heap{trainer.global_rank}.json").write_text(json.dumps(heap_bytes() - start))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="glibc's mallinfo2 (2.33+) reads the heap")
 def test_no_grad_forwards_under_zoff_do_not_grow_the_heap(tmp_path):
     # units of a few MB, which FSDP2 gathers and frees in every forward: with glibc's default threshold they come from

@@ -60,6 +60,7 @@ def test_every_command_names_a_script_or_module_that_exists():
             assert (ROOT / words[1]).is_file(), words
 
 
+@pytest.mark.slow
 def test_the_main_job_s_commands_compose():
     for words in commands():
         if words[:2] == ["python", "scripts/train.py"]:

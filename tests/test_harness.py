@@ -27,6 +27,7 @@ TREE = textwrap.dedent("""
 MB_HELD = 200
 
 
+@pytest.mark.slow
 def test_the_sampler_sums_the_whole_tree():
     run = harness.run_command([sys.executable, "-c", TREE, str(MB_HELD)], interval_s=0.05)
     assert run.ok
@@ -51,6 +52,7 @@ FORKED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_the_pss_of_a_forked_tree_counts_the_shared_pages_once():
     run = harness.run_command([sys.executable, "-c", FORKED, str(MB_HELD)], interval_s=0.05, pss_interval_s=0.1)
     assert run.ok
@@ -73,6 +75,7 @@ def test_the_sampler_of_this_process_sees_an_allocation_in_the_block():
     assert set(rss.peak_by_pid) == {os.getpid()}
 
 
+@pytest.mark.slow
 def test_a_timeout_kills_the_whole_tree(tmp_path):
     pid_file = tmp_path / "grandchild"
     sleeper = textwrap.dedent(f"""
@@ -104,6 +107,7 @@ def fails(message: str) -> None:
     raise ValueError(message)
 
 
+@pytest.mark.slow
 def test_results_come_back_by_rank():
     run = harness.run_function(measure, dict(size=3, rank1=True), output="capture")
     assert run.ok
@@ -115,6 +119,7 @@ def test_results_come_back_by_rank():
     assert only["tensor"].tolist() == [0, 1]
 
 
+@pytest.mark.slow
 def test_a_failed_child_names_its_cause():
     run = harness.run_function(fails, dict(message="no such model"), output="capture")
     assert not run.ok

@@ -239,6 +239,7 @@ def test_generate_is_greedy_search_at_top_k_1_and_sample_gives_bytes():
 
 # -- training on 2 ranks ------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_llama_trains_on_two_ranks(tmp_path):
     _, module = fit(tmp_path, ZoffStrategy(start_method="fork"), Recorded("llama_tiny", lr=3e-3), max_steps=10)
     losses = read_probe(tmp_path)["losses"]
@@ -260,6 +261,7 @@ class TieCheck(pl.Callback):
         (self.out / f"tie{trainer.global_rank}.json").write_text(json.dumps(torch.equal(state[EMBED], state[HEAD])))
 
 
+@pytest.mark.slow
 def test_tied_embeddings_train_like_ddp_and_stay_tied(tmp_path):
     ref_out, zoff_out = tmp_path / "ddp", tmp_path / "zoff"
     _, ref = fit(ref_out, DDPStrategy(start_method="fork"), Recorded("qwen3_tiny", lr=3e-3))
@@ -292,6 +294,7 @@ class BufferCheck(pl.Callback):
         (self.out / f"buffers{trainer.global_rank}.json").write_text(json.dumps(same))
 
 
+@pytest.mark.slow
 def test_meta_built_hf_model_trains_on_two_ranks(tmp_path):
     def build_on_meta(trainer):
         with trainer.init_module(empty_init=True):

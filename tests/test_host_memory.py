@@ -80,6 +80,7 @@ def fit(out: Path, workers: int, **options) -> None:
                         max_steps=6, clip=0.84, callbacks=[WorkersMaps(out)])
 
 
+@pytest.mark.slow
 def test_workers_map_none_of_zoffs_buffers_and_train_the_same(tmp_path):
     fit(tmp_path / "none", 0)
     fit(tmp_path / "two", 2)
@@ -130,6 +131,7 @@ class EatHost(pl.Callback):
             self.held = torch.ones(self.nbytes // 4)
 
 
+@pytest.mark.slow
 def test_a_host_that_runs_short_stops_the_run_in_one_line_with_the_checkpoint_whole(tmp_path):
     # the floor sits 1.75 GB under what the host has now: 3.5 GB taken at step 3 cross it, the ranks' own use does not
     floor_gb = (psutil.virtual_memory().available - 1.75e9) / 1e9

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 PACKAGE = REPO / "lightning_zoff"
@@ -25,12 +27,14 @@ def python(code: str) -> str:
     return proc.stdout.strip()
 
 
+@pytest.mark.slow
 def test_the_core_loads_neither_lightning_pytorch_nor_lightning_fabric():
     loaded = python(f"import sys\nfor m in {CORE!r}: __import__(m)\n"
                     "print(sorted(m for m in sys.modules if m.split('.')[0] == 'lightning'))")
     assert loaded == "[]"
 
 
+@pytest.mark.slow
 def test_the_config_loads_no_engine():
     # ZoffConfig is what a door, the CLI and README's table read: loading it must not load the engine, the optimizers
     # or the kernels
@@ -75,6 +79,7 @@ def test_code_outside_the_engine_imports_only_what_its_package_exports():
     assert not strays, "import these from lightning_zoff.offload (export them there first):\n" + "\n".join(strays)
 
 
+@pytest.mark.slow
 def test_importing_the_package_registers_both_doors_when_lightning_comes_after_it():
     out = python("import sys\nimport lightning_zoff\nassert 'lightning' not in sys.modules\n"
                  "from lightning.fabric import Fabric\nfrom lightning.pytorch import Trainer\n"
@@ -84,6 +89,7 @@ def test_importing_the_package_registers_both_doors_when_lightning_comes_after_i
     assert out.splitlines()[-1] == "ZoffFabricStrategy ZoffStrategy"
 
 
+@pytest.mark.slow
 def test_importing_the_package_registers_both_doors_when_lightning_came_before_it():
     out = python("from lightning.fabric.strategies import STRATEGY_REGISTRY\n"
                  "from lightning.pytorch.strategies import StrategyRegistry\nimport lightning_zoff\n"

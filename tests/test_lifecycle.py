@@ -5,6 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the default launcher: an interpreter per rank
+
 
 def test_fit_validate_test_predict_in_one_process(tmp_path):
     script = Path(__file__).parent / "scripts" / "lifecycle.py"

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import litgpt  # .ci/run installs it (pip install --no-deps 'litgpt==0.5.13')
+import pytest
 import torch
 from lightning.fabric import Fabric
 from litgpt.args import EvalArgs, TrainArgs
@@ -17,6 +18,8 @@ from litgpt.data import JSON
 from litgpt.finetune import full
 
 from lightning_zoff import ZoffFabricStrategy
+
+pytestmark = pytest.mark.slow  # LitGPT's finetune script on 2 ranks
 
 WORDS = ["red", "green", "blue", "cat", "dog", "fish", "one", "two", "three", "sun", "moon", "star"]
 

@@ -10,12 +10,13 @@ import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 
+from helpers.compare import rel_err
 from helpers.tiny_module import read_probe
 from lightning_zoff import ZoffStrategy
 from lightning_zoff.memory import unit_shapes_before_sharding
 from lightning_zoff.offload.memory_plan import Machine, StateOptions, host_bytes_per_element, plan_memory
 from lightning_zoff.units import plan_units
-from test_hf import Recorded, fit, rel_err
+from test_hf import Recorded, fit
 
 pytest.importorskip("peft", reason="LoRA needs peft: pip install -e '.[lora]'")
 
@@ -28,6 +29,7 @@ def lora_llama() -> Recorded:
     return Recorded("llama_tiny", lr=1e-2, lora=LORA)
 
 
+@pytest.mark.slow
 def test_lora_trains_the_adapters_as_ddp_and_leaves_the_base_as_it_was(tmp_path):
     initial = {name: p.detach().clone() for name, p in lora_llama().named_parameters()}
     _, ref = fit(tmp_path / "ddp", DDPStrategy(start_method="fork"), lora_llama())
@@ -47,6 +49,7 @@ def test_lora_trains_the_adapters_as_ddp_and_leaves_the_base_as_it_was(tmp_path)
             assert torch.equal(state[name], before), name  # frozen: the very bits it started with
 
 
+@pytest.mark.slow
 def test_the_host_holds_state_for_the_adapters_only_as_the_plan_says(tmp_path):
     fit(tmp_path, ZoffStrategy(start_method="fork"), lora_llama(), max_steps=1)
     module = lora_llama()

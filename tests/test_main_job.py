@@ -11,12 +11,15 @@ import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
+import pytest
 import torch
 
 from lightning_zoff.checkpoint import files as checkpoint_files
 from lightning_zoff.checkpoint.consolidate import consolidate
 from lightning_zoff.examples.gpt import GPTModule
 from lightning_zoff.examples.hf import HFCausalLM
+
+pytestmark = pytest.mark.slow  # each test starts the main job in an interpreter of its own
 
 ROOT = Path(__file__).resolve().parents[1]
 # smaller than the defaults, so the runs stay short: less corpus to read, a shorter sample

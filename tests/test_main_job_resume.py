@@ -16,6 +16,8 @@ import torch
 from lightning_zoff.checkpoint import files as checkpoint_files
 from test_main_job import ROOT, SMALL, load_weights, train
 
+pytestmark = pytest.mark.slow  # each test starts (and stops) the main job in interpreters of their own
+
 TESTS = Path(__file__).resolve().parent
 # 6 steps, last.ckpt after step 3 and at the end; a loss logged every step
 RUN = ["trainer.max_steps=6", "checkpoint_every_n_steps=3", "trainer.log_every_n_steps=1", *SMALL]

@@ -131,6 +131,7 @@ def losses(run_dir: Path) -> dict[int, float]:
         return {int(row["step"]): float(row["train_loss"]) for row in csv.DictReader(rows) if row["train_loss"]}
 
 
+@pytest.mark.slow
 def test_a_finished_run_resumed_with_more_steps_trains_on(runs):
     first = printed_path(runs.first, "checkpoint")
     checkpoint = printed_path(runs.then, "checkpoint")
@@ -155,6 +156,7 @@ def test_a_finished_run_resumed_with_more_steps_trains_on(runs):
             assert printed_path(out, label).exists(), label
 
 
+@pytest.mark.slow
 def test_the_sample_is_saved_beside_the_loss_curve_with_control_bytes_escaped(runs):
     sample_file = printed_path(runs.first, "sample")
     assert sample_file == printed_path(runs.first, "loss curve").with_name("sample.txt")
@@ -210,6 +212,7 @@ def test_last_is_the_newest_checkpoint_of_this_model(tmp_path):
         resume.find_checkpoint("nothing/here", outputs, model_config(), "gpt_tiny")
 
 
+@pytest.mark.slow
 def test_last_takes_this_models_newest_and_a_run_with_nothing_to_train_says_so(runs):
     then = printed_path(runs.then, "checkpoint")
     newer = job(runs.cwd / "outputs", "23-59-59", "model=hf_llama_tiny_lora", checkpoint_of=then)
@@ -222,6 +225,7 @@ def test_last_takes_this_models_newest_and_a_run_with_nothing_to_train_says_so(r
                     " trainer.max_steps=5: nothing to train; raise trainer.max_steps above 5")
 
 
+@pytest.mark.slow
 def test_last_of_another_model_is_refused(runs, tmp_path):
     first = printed_path(runs.first, "checkpoint")
     other = job(tmp_path / "outputs", "00-00-00", "model=hf_llama_tiny_lora", checkpoint_of=first)
@@ -231,6 +235,7 @@ def test_last_of_another_model_is_refused(runs, tmp_path):
                     " with, or name a checkpoint: ckpt_path=PATH")
 
 
+@pytest.mark.slow
 def test_a_truncated_checkpoint_is_refused_before_any_rank_starts(runs, tmp_path):
     truncated = tmp_path / "truncated.ckpt"
     shutil.copytree(printed_path(runs.first, "checkpoint"), truncated)
@@ -242,6 +247,7 @@ def test_a_truncated_checkpoint_is_refused_before_any_rank_starts(runs, tmp_path
                     f" {size}")
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_shape_is_refused_before_any_rank_starts(runs):
     checkpoint = printed_path(runs.first, "checkpoint")
     line = assert_refused(runs.cwd, "trainer.max_steps=5", "model.n_layer=3", f"ckpt_path={checkpoint}", *RUN)

@@ -28,6 +28,7 @@ def speak(*args: str) -> str:
     return proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_the_ranks_of_a_node_speak_once():
     out = speak()
     # one memory line for both ranks (they hold the same): from the first rank of the node, naming both, short
@@ -50,6 +51,7 @@ def test_each_zoff_line_appears_once_whether_the_application_configured_logging_
     assert (proc.stdout + proc.stderr).count("a zoff line") == 1, proc.stderr
 
 
+@pytest.mark.slow
 def test_each_rank_says_its_own_cpu_layout_at_debug_level():
     out = speak("debug")
     for rank in (0, 1):

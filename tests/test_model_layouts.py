@@ -29,6 +29,7 @@ def fit(out, strategy, *, tie: bool, max_steps: int = 8, ckpt_path=None, callbac
     return module, read_probe(out)["losses"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 def test_nanogpt_layout_trains_as_under_ddp(tmp_path, tie):
     ddp, ddp_losses = fit(tmp_path / "ddp", DDPStrategy(start_method="fork"), tie=tie)
@@ -69,6 +70,7 @@ def test_the_tie_holds_in_a_full_checkpoint_loaded_into_the_plain_model(tmp_path
     torch.testing.assert_close(plain.lm_head.weight, ddp.lm_head.weight, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_sharded_checkpoint_of_the_tied_model_resumes_bit_for_bit(tmp_path):
     # 48 samples: 6 micro-batches per rank and epoch, 3 steps; the checkpoint at the end of the first epoch
     every3 = ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1, every_n_train_steps=3)

@@ -16,6 +16,8 @@ from helpers.tiny_module import TinyModule
 from lightning_zoff import ZoffPrecision, ZoffStrategy
 from lightning_zoff.examples.gpt import GPTModule
 
+pytestmark = pytest.mark.slow  # a test trains several times on 2 ranks, over a second each
+
 STEPS, BAD_STEP = 20, 7
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

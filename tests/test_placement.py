@@ -105,6 +105,7 @@ def test_relocate_that_runs_out_of_memory_changes_nothing(monkeypatch):
     assert unit.grad_sum is grad_sum
 
 
+@pytest.mark.slow
 def test_a_unit_moved_away_gives_its_host_memory_back_to_the_os():
     import gc
 

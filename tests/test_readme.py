@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 MAX_LINES = 320
@@ -31,6 +33,7 @@ def test_readme_is_at_most_320_lines():
     assert len(README.read_text().splitlines()) <= MAX_LINES
 
 
+@pytest.mark.slow
 def test_the_quick_start_trains_its_model_on_two_cpu_ranks(tmp_path):
     script = tmp_path / "quick_start.py"
     script.write_text(quick_start())

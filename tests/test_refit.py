@@ -21,10 +21,11 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.fsdp import FSDPModule
 
 import lightning_zoff.optim
+from helpers.compare import rel_err
 from helpers.tiny import EPS, token_loader
 from helpers.tiny_module import TinyModule, read_probe
 from lightning_zoff import ZoffStrategy
-from test_training import fit, rel_err
+from test_training import fit
 
 
 def in_ranks(fn, *args) -> None:
@@ -85,6 +86,7 @@ def fit_validate_fit(rank: int, out: Path, strategy_class, first_optimizer: str,
     (out / f"fits{rank}.json").write_text(json.dumps(module.fits))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("first_optimizer", "second_optimizer"),
                          [("adamw", "adamw"), ("adamw", "lion_by_block"), ("adamw_blocks", "adamw")])
 def test_second_fit_trains_like_ddp_with_a_fresh_optimizer(tmp_path, first_optimizer, second_optimizer):
@@ -161,6 +163,7 @@ def refit_bf16(rank: int, out: Path) -> None:
     (out / f"refit{rank}.json").write_text(json.dumps(result))
 
 
+@pytest.mark.slow
 def test_second_fit_starts_from_the_fp32_masters_and_releases_the_first_engine(tmp_path):
     in_ranks(refit_bf16, tmp_path)
     for rank in (0, 1):

@@ -16,6 +16,8 @@ import pytest
 from lightning_zoff.checkpoint import files as checkpoint_files
 from test_main_job import SMALL, load_weights, train
 
+pytestmark = pytest.mark.slow  # each test starts the Fabric script in an interpreter of its own
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -10,7 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+
+pytestmark = pytest.mark.slow  # the LitGPT script in an interpreter of its own
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--model", "pythia-14m", "--n-layer", "2", "--block-size", "32", "--micro-batch", "2", "--accumulate", "2",

@@ -130,6 +130,7 @@ def test_registered_names():
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accumulate", [1, 3])
 def test_accumulation_windows_match_ddp(tmp_path, accumulate):
     # 1: the kernel reads the 16-bit staging buffer directly; 3: the fp32 host sum of three micro-batches
@@ -290,6 +291,7 @@ def test_state_moved_to_the_accelerator_between_steps_matches_ddp(tmp_path, ddp_
                                   "model": "accelerator"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("retain", [False, True])
 def test_accumulating_on_the_accelerator_gives_the_same_bits(tmp_path, retain):
     host, accel = tmp_path / "host", tmp_path / "accel"
@@ -368,6 +370,7 @@ class LateModule(TinyModule):
             self.model = tiny.TinyLM()
 
 
+@pytest.mark.slow
 def test_model_built_in_configure_model_trains_like_one_built_in_init(tmp_path):
     fit(tmp_path, ZoffStrategy(start_method="fork"), module=LateModule())
     zoff = read_probe(tmp_path)

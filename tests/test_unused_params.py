@@ -195,6 +195,7 @@ def test_a_branch_used_in_one_micro_batch_of_a_window_is_updated(tmp_path):
     unchanged_while_unused(zoff, "model.blocks.1.branch.", [step % 2 == 0 for step in range(STEPS)])
 
 
+@pytest.mark.slow
 def test_moe_experts_without_tokens_match_ddp(tmp_path):
     make = lambda: BranchModule("none", moe=True)  # noqa: E731
     ref = train(tmp_path / "ddp", ddp(), make, batch_size=1)
