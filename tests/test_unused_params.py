@@ -171,11 +171,24 @@ def unchanged_while_unused(run: dict, prefix: str, used: list[bool]) -> None:
             assert same != was_used, (name, step, was_used)
 
 
+@pytest.fixture(scope="module")
+def ddp_branch_runs(tmp_path_factory):
+    """DDP's run of `BranchModule(where)`, one per `where`, trained once for the zoff runs with and without overlap."""
+    runs: dict[str, dict] = {}
+
+    def run(where: str) -> dict:
+        if where not in runs:
+            runs[where] = train(tmp_path_factory.mktemp(f"ddp_{where}"), ddp(), lambda: BranchModule(where))
+        return runs[where]
+
+    return run
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("where", ["inside", "own_unit"])
-def test_a_branch_used_on_even_steps_matches_ddp(tmp_path, where, overlap):
+def test_a_branch_used_on_even_steps_matches_ddp(tmp_path, ddp_branch_runs, where, overlap):
     make = lambda: BranchModule(where)  # noqa: E731
-    ref = train(tmp_path / "ddp", ddp(), make)
+    ref = ddp_branch_runs(where)
     zoff = train(tmp_path / "zoff", ZoffStrategy(start_method="fork", overlap=overlap), make)
     assert_like_ddp(zoff, ref)
     prefix = "model.blocks.1.branch." if where == "inside" else "adapter."
