@@ -15,6 +15,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+import helpers.trainer
 from helpers.tiny import TinyLM, token_loader
 from helpers.tiny_module import TinyModule
 from lightning_zoff import ZoffPrecision, ZoffStrategy
@@ -47,7 +48,8 @@ def forked_trainer(devices=1, **trainer_kwargs):
 
 
 def run(module, devices=1, **trainer_kwargs):
-    forked_trainer(devices, **trainer_kwargs).fit(module, token_loader(n=16))
+    helpers.trainer.fit(module, token_loader(n=16), ZoffStrategy(start_method="fork"), devices=devices, max_steps=2,
+                        **trainer_kwargs)
 
 
 @contextmanager
@@ -173,9 +175,8 @@ def checkpoint_of_another_model(tmp_path: Path) -> Path:
     module = TinyModule()
     module.model = TinyLM(n_blocks=2)  # the refused run's has 3 blocks
     callbacks = [ModelCheckpoint(dirpath=tmp_path / "other", save_last=True, save_top_k=0)]
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=ZoffStrategy(start_method="fork"), max_steps=1,
-                         logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
-    trainer.fit(module, token_loader(n=8))
+    helpers.trainer.fit(module, token_loader(n=8), ZoffStrategy(start_method="fork"), devices=1, max_steps=1,
+                        callbacks=callbacks, enable_checkpointing=True)
     return tmp_path / "other" / "last.ckpt"
 
 

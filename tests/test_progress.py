@@ -7,6 +7,7 @@ import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+import helpers.trainer
 from helpers.tiny import token_loader
 from helpers.tiny_module import TinyModule
 from lightning_zoff.app.progress import RichStepsBar, TQDMStepsBar
@@ -28,10 +29,10 @@ def fit(tmp_path, bar, max_steps, accumulate, ckpt_path=None) -> BarAtEnd:
     seen = BarAtEnd()
     # a checkpoint every 3 steps, saved in on_train_batch_end (as the main job's last.ckpt), mid-epoch (16 batches)
     every3 = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_model_summary=False,
-                         callbacks=[bar(), every3, seen], limit_val_batches=0, num_sanity_val_steps=0,
-                         accumulate_grad_batches=accumulate)
-    trainer.fit(TinyModule(step_lr=False), token_loader(n=64), ckpt_path=ckpt_path)
+    helpers.trainer.fit(TinyModule(step_lr=False), token_loader(n=64), "auto", devices=1, max_steps=max_steps,
+                        accumulate=accumulate, callbacks=[bar(), every3, seen], ckpt_path=ckpt_path,
+                        enable_checkpointing=True, enable_progress_bar=True, limit_val_batches=0,
+                        num_sanity_val_steps=0)
     return seen
 
 
