@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from typing_extensions import override
 
 # the state `fully_shard` and torch's composable APIs (activation checkpointing too) keep in a module's __dict__
 _SHARDING_KEYS = ("__composable_api_state_key", "_fsdp", "_is_fsdp")
@@ -164,6 +165,7 @@ class _Nowhere:
 
 
 class _DryRun(_ModulesAsBuilt):
+    @override
     def persistent_id(self, obj: Any) -> Any:
         # a storage (a tensor's bytes) is written apart from the pickle: only its place in it is checked
         return 0 if isinstance(obj, (torch.UntypedStorage, torch.storage.TypedStorage)) else None
