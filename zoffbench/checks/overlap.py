@@ -46,11 +46,19 @@ def run_mode(mode: str, steps: int, clip: float, accumulate: int) -> dict:
         def __init__(self):
             super().__init__()
             self.outcomes = []
+            self.speculations = {"kept": 0, "redone": 0}
 
         def on_train_start(self, trainer, pl_module):
             scheduler = trainer.strategy.engine.scheduler  # None without overlap
             if scheduler is not None:
                 scheduler.await_speculation = mode == "overlap_awaited"
+
+        def on_train_end(self, trainer, pl_module):
+            # read before the fit's teardown: the engine detaches then and its scheduler goes with the counts
+            scheduler = trainer.strategy.engine.scheduler
+            if scheduler is not None:
+                scheduler.wait_idle()
+                self.speculations = dict(scheduler.speculations)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
@@ -71,7 +79,7 @@ def run_mode(mode: str, steps: int, clip: float, accumulate: int) -> dict:
     engine.wait_idle()
     masters = torch.cat([u.master for u in engine.units])
     return {"losses": record.losses, "outcomes": record.outcomes, "masters": masters,
-            "speculations": dict(engine.scheduler.speculations) if engine.scheduler else {"kept": 0, "redone": 0},
+            "speculations": record.speculations,
             "device": str(trainer.strategy.root_device)}
 
 
