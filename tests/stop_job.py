@@ -9,10 +9,12 @@ import time
 import lightning.pytorch as pl
 
 
-class KillAfterStep(pl.Callback):
+class SignalAfterStep(pl.Callback):
     """Right after optimizer step `step`, once every rank is past it (the job's own checkpoint of that step included:
-    its callback comes before those of the command line), rank 0 sends SIGKILL to its process group: the job's main
-    process and its ranks. The job must run in a process group of its own (`start_new_session=True`)."""
+    its callback comes before those of the command line), rank 0 sends the signal `sent` to its process group: the
+    job's main process and its ranks. The job must run in a process group of its own (`start_new_session=True`)."""
+
+    sent = signal.SIGKILL
 
     def __init__(self, step: int) -> None:
         self.step = step
@@ -21,20 +23,15 @@ class KillAfterStep(pl.Callback):
         if trainer.global_step == self.step:
             trainer.strategy.barrier()
             if trainer.is_global_zero:
-                os.killpg(os.getpgid(0), signal.SIGKILL)
-            time.sleep(60)  # the other ranks wait for the signal
+                os.killpg(os.getpgid(0), self.sent)
+            time.sleep(60)  # the signal comes during the sleep, in every rank
 
 
-class InterruptAfterStep(pl.Callback):
-    """Ctrl-C right after optimizer step `step`, as a terminal sends it: SIGINT to the job's process group (the job's
-    main process and its ranks), once every rank is past the step. The job must run in a process group of its own."""
+class KillAfterStep(SignalAfterStep):
+    """As a crash would: SIGKILL."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.step:
-            trainer.strategy.barrier()
-            if trainer.is_global_zero:
-                os.killpg(os.getpgid(0), signal.SIGINT)
-            time.sleep(60)  # the interrupt comes during the sleep, in every rank
+class InterruptAfterStep(SignalAfterStep):
+    """Ctrl-C, as a terminal sends it: SIGINT."""
+
+    sent = signal.SIGINT
