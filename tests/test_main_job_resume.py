@@ -87,9 +87,12 @@ def test_a_full_checkpoint_file_resumes_too(tmp_path, whole):
 
 def test_ctrl_c_prints_the_last_checkpoint_and_the_command_that_resumes_it(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    # a terminal's job takes Ctrl-C; one started in the background of a script ignores SIGINT, and so would this
+    # job, which inherits it: the job gets the terminal's default
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), *RUN,
                            "callbacks=[{_target_:stop_job.InterruptAfterStep,step:3}]"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, start_new_session=True)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, start_new_session=True,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.returncode != 0
     [checkpoint] = (tmp_path / "outputs").glob("*/*/checkpoints/last.ckpt")
     shown = checkpoint.relative_to(tmp_path)
