@@ -84,11 +84,12 @@ def test_a_timeout_kills_the_whole_tree(tmp_path):
         open({str(pid_file)!r}, "w").write(str(p.pid))
         time.sleep(60)
     """)
-    run = harness.run_command([sys.executable, "-c", sleeper], output="capture", timeout_s=4)
+    # long enough for two interpreters to start on 2 busy cores (at 4 s the grandchild was not always there yet)
+    run = harness.run_command([sys.executable, "-c", sleeper], output="capture", timeout_s=10)
     assert run.timed_out
     assert not run.ok
     assert run.wall_s < 30
-    assert run.failure() == "timed out after 4 s"
+    assert run.failure() == "timed out after 10 s"
     assert harness.outcome_of(run.failure()) == "timeout"
     grandchild = int(pid_file.read_text())
     assert not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
