@@ -50,11 +50,11 @@ def read_checkpoint(path: Path, label: str, expected: dict[str, list[int]] | Non
     refuse it: unreadable, truncated, of another format version or (`expected`: the model's state dict shapes, zoff's
     checkpoints) of another model. None for a directory zoff did not write (another strategy's: its load checks it)."""
     try:
-        if expected is not None:
-            checkpoint_files.check_loadable(path)
-        elif path.is_dir():
+        checkpoint = checkpoint_files.check_loadable(path) if expected is not None else None
+        if expected is None and path.is_dir():
             return None
-        checkpoint = checkpoint_files.read(path)
+        if checkpoint is None:
+            checkpoint = checkpoint_files.read(path)
         if expected is not None:
             checkpoint_files.check_compatible(checkpoint, path, expected)
     except checkpoint_files.CheckpointError as err:

@@ -283,15 +283,17 @@ def check_format(checkpoint: dict[str, Any], path: Path) -> dict[str, Any]:
     return info
 
 
-def check_loadable(path: Path, weights_only: bool | None = None) -> None:
+def check_loadable(path: Path, weights_only: bool | None = None) -> dict[str, Any] | None:
     """Refuse what every rank's load would, whatever the model: no checkpoint at `path`, one that cannot be read, one
     not in this version's format, a directory missing data its index names. Reads meta.pt and the index of a
-    directory, or the file memory-mapped; changes nothing on disk."""
+    directory, or the file memory-mapped; changes nothing on disk. What it read (None for a save to recover)."""
     if not path.exists() and _previous(path).exists():
-        return  # a save stopped between its two renames: the load puts the checkpoint back first (`recover`)
-    info = check_format(read(path, weights_only), path)
+        return None  # a save stopped between its two renames: the load puts the checkpoint back first (`recover`)
+    checkpoint = read(path, weights_only)
+    info = check_format(checkpoint, path)
     if path.is_dir():
         check_complete(path, info)
+    return checkpoint
 
 
 def check_compatible(checkpoint: dict[str, Any], path: Path, expected: dict[str, list[int]]) -> None:

@@ -188,9 +188,9 @@ def _check_before_ranks_start(trainer: Any, function: Callable, args: Any, kwarg
         if optimizers and trainer.state.fn == TrainerFn.FITTING:
             check_configured_optimizers(trainer.lightning_module)
         if path is not None:
-            checkpoint_files.check_loadable(path, call.get("weights_only"))
-            if trainer.state.fn == TrainerFn.FITTING and path.exists():  # not a save to recover: `check_loadable`
-                fabric_step_count(checkpoint_files.read(path, call.get("weights_only")), path)
+            checkpoint = checkpoint_files.check_loadable(path, call.get("weights_only"))
+            if trainer.state.fn == TrainerFn.FITTING and checkpoint is not None:  # None: a save to recover
+                fabric_step_count(checkpoint, path)
     except (ValueError, TypeError, checkpoint_files.CheckpointError) as refusal:
         raise refusal.with_traceback(None) from None
 
