@@ -15,6 +15,7 @@ import psutil
 
 from zoffbench.harness import StepMeasurement
 from zoffbench.host_floor import host_floor
+from zoffbench.recorders import expandable_segments_in_use
 
 
 def _now() -> float:
@@ -84,6 +85,7 @@ def run_fabric(run: Any, family: type, model_kwargs: dict[str, Any], adamw: dict
         peak_gpu_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0,
         peak_gpu_reserved_gb=torch.cuda.max_memory_reserved() / 1e9 if torch.cuda.is_available() else 0.0,
         gpu_alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0,
+        gpu_expandable_segments=expandable_segments_in_use(),
         host_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
         setup_s=first_step_at - psutil.Process().create_time(), reported_at=time.time(),
         host_floor=host_floor(fabric.strategy, zoff, step), params=params, steps=step_s,

@@ -427,9 +427,11 @@ class StepMeasurement:
     inexact_because: str | None = None
     deepspeed_config: dict[str, Any] | None = None  # the dict DeepSpeed got, Lightning's additions included
     host_floor: dict[str, float] | None = None  # zoff: the host update's bandwidth against the machine's (`host_floor`)
+    gpu_expandable_segments: bool | None = None  # the CUDA allocator grew its segments in place (zoff asks it to)
 
     def fields(self) -> dict[str, Any]:
         return _fields(self, optional=("inexact_because", "deepspeed_config", "host_floor"))
+
 
 
 @dataclass(frozen=True)

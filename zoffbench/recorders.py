@@ -128,3 +128,12 @@ class WindowTimer(pl.Callback):
         if torch.cuda.is_available():
             self.window_peak.append(torch.cuda.max_memory_allocated() / 1e9)
         self.step_start, self.opt_start = None, None
+
+
+def expandable_segments_in_use() -> bool | None:
+    """Whether the CUDA allocator's segments are expandable, read from its snapshot (None without CUDA or segments):
+    with them, reserved memory stays near allocated and "auto" has room for more state."""
+    if not torch.cuda.is_available():
+        return None
+    segments = torch.cuda.memory_snapshot()
+    return any(segment.get("is_expandable", False) for segment in segments) if segments else None

@@ -277,7 +277,7 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
 
     import lightning_zoff  # noqa: F401
     from zoffbench.data import RandomTokens
-    from zoffbench.recorders import WindowTimer
+    from zoffbench.recorders import WindowTimer, expandable_segments_in_use
 
     cap_gpu_memory(gpu_memory_gb)
     zoff_options = parse_options(zoff_option)
@@ -339,6 +339,7 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
         peak_gpu_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0,
         peak_gpu_reserved_gb=torch.cuda.max_memory_reserved() / 1e9 if torch.cuda.is_available() else 0.0,
         gpu_alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0,
+        gpu_expandable_segments=expandable_segments_in_use(),
         host_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
         setup_s=(timer.first_step_at or time.time()) - psutil.Process().create_time(), reported_at=time.time(),
         host_floor=host_floor(trainer.strategy, zoff, step_s),

@@ -28,11 +28,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from typing_extensions import override
 
 from lightning_zoff.examples.gpt import OptimizerFactory, decay_groups, draw_token, token_bytes
 from lightning_zoff.examples.lora import add_lora
+from lightning_zoff.ops.linear_cross_entropy import linear_cross_entropy
 from lightning_zoff.sharding import keep_gathered
 
 # name: (transformers model type, config values). The tiny ones use the corpus data module's byte vocabulary.
@@ -68,6 +70,34 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, tie_word_embeddings=False,
     )),
 }
+
+
+# model types whose causal LM forward hands the head's output on untouched (no soft-capping, scaling or slicing of the
+# logits): their head may return the loss in the logits' place (`LossHead`)
+PLAIN_HEAD_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "opt"})
+
+
+class LossHead(nn.Linear):
+    """A causal LM's output layer that, while `targets` are set, returns the mean cross entropy of its logits against
+    them instead of the logits (`linear_cross_entropy`: the vocabulary in slices, no batch x seq x vocab tensor).
+    The loss goes through the model's own forward, so every hook on the model (FSDP2's gathers, DeepSpeed's) runs as
+    for the logits; a checkpoint of it is an `nn.Linear`'s."""
+
+    targets: torch.Tensor | None = None
+
+    @override
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.targets is None:
+            return super().forward(hidden)
+        return linear_cross_entropy(hidden, self.weight, self.bias, self.targets)
+
+    @classmethod
+    def replacing(cls, head: nn.Linear) -> LossHead:
+        """A `LossHead` holding `head`'s very parameters (ties to the embedding kept)."""
+        loss_head = cls(head.in_features, head.out_features, bias=False, device="meta")
+        loss_head.weight = head.weight
+        loss_head.bias = head.bias
+        return loss_head
 
 
 def hf_config(model: str, config: dict[str, Any] | None = None) -> PretrainedConfig:
@@ -122,6 +152,9 @@ class HFCausalLM(pl.LightningModule):
         self.model = AutoModelForCausalLM.from_config(hf_config(model, config), attn_implementation=attn_implementation)
         if lora is not None:
             self.model = add_lora(self.model, lora)
+        head = self.model.get_output_embeddings()
+        if self.model.config.model_type in PLAIN_HEAD_TYPES and type(head) is nn.Linear:
+            self.model.set_output_embeddings(LossHead.replacing(head))
         self.block_size = block_size or self.model.config.max_position_embeddings
 
     @override
@@ -129,9 +162,17 @@ class HFCausalLM(pl.LightningModule):
         return self.model(input_ids=idx, use_cache=False).logits
 
     def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The mean cross entropy in fp32 (bf16 logits would round the log-softmax); through the `LossHead` where the
+        model has one, so the step never holds the batch's logits."""
         x, y = batch
-        # float32 so that bf16 logits do not round the log-softmax
-        return F.cross_entropy(self(x).float().flatten(0, 1), y.flatten())
+        head = self.model.get_output_embeddings()
+        if not isinstance(head, LossHead):
+            return F.cross_entropy(self(x).float().flatten(0, 1), y.flatten())
+        head.targets = y
+        try:
+            return self.model(input_ids=x, use_cache=False).logits  # the head's loss, in the logits' place
+        finally:
+            head.targets = None
 
     @override
     def training_step(self, batch, batch_idx):
