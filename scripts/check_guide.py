@@ -15,6 +15,7 @@ a summary, exit status 1 if any command failed; `--out` writes the results as JS
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -75,24 +76,28 @@ def commands(guide: str) -> list[Command]:
     return found
 
 
-def run(command: Command, cwd: Path, env: dict[str, str], timeout: float) -> Result:
-    """Run one command with bash in `cwd`; on timeout its whole process group goes (the ranks it forked included)."""
+def run(command: Command, cwd: Path, env: dict[str, str], timeout: float, log: Path) -> Result:
+    """Run one command with bash in `cwd`, its output into `log`; on timeout its whole process group goes (the ranks
+    it forked included)."""
     if command.skip:
         return Result(command.line, command.text, "skipped", reason=command.skip)
     start = time.monotonic()
-    process = subprocess.Popen(["bash", "-c", command.text], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-        reason = f"exit status {process.returncode}" if process.returncode else None
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        reason = f"timed out after {timeout:g} s"
+    with log.open("w") as out:
+        # a session of its own, so that a timeout ends every process the command started; no input to wait for
+        process = subprocess.Popen(["bash", "-c", command.text], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            process.wait(timeout=timeout)
+            reason = f"exit status {process.returncode}" if process.returncode else None
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):  # every process of it may have ended meanwhile
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            reason = f"timed out after {timeout:g} s"
     seconds = round(time.monotonic() - start, 1)
     if reason is None:
         return Result(command.line, command.text, "ok", seconds)
-    tail = "\n".join(output.splitlines()[-20:])
+    tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
     return Result(command.line, command.text, "failed", seconds, reason, tail)
 
 
@@ -106,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--timeout", type=float, default=900, help="seconds each command may take (default 900)")
     parser.add_argument("--out", type=Path, help="write the results here as JSON")
-    parser.add_argument("--keep", action="store_true", help="keep the clone (its path is printed)")
+    parser.add_argument("--keep", action="store_true", help="keep the clone and each command's output")
     args = parser.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="check_guide_"))
@@ -117,10 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{GUIDE} of {commit[:12]}, cloned into {clone}", flush=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(clone), os.environ.get("PYTHONPATH")]))}
 
+    logs = work / "logs"
+    logs.mkdir()
     results = []
     start = time.monotonic()
     for command in commands((clone / GUIDE).read_text()):
-        results.append(run(command, clone, env, args.timeout))
+        results.append(run(command, clone, env, args.timeout, logs / f"guide-line-{command.line}.log"))
         print(report(results[-1]), flush=True)
         if results[-1].output_tail:
             print("    " + results[-1].output_tail.replace("\n", "\n    "), flush=True)
@@ -132,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps({"commit": commit, "total_s": total, **counts,
                                         "results": [asdict(r) for r in results]}, indent=2) + "\n")
     if args.keep:
-        print(f"the clone stays in {clone}")
+        print(f"the clone stays in {clone}, each command's output in {logs}")
     else:
         shutil.rmtree(work)
     return 1 if counts["failed"] else 0
