@@ -17,7 +17,8 @@ IMPLICIT = {"__init__", "__module__", "__qualname__", "__doc__", "__dict__", "__
             "__firstlineno__", "__static_attributes__", "__orig_bases__", "__parameters__", "__abstractmethods__",
             "_abc_impl", "__hash__", "__eq__", "__repr__", "__match_args__", "__dataclass_fields__",
             "__dataclass_params__", "__slots__", "_is_protocol", "_is_runtime_protocol", "__protocol_attrs__",
-            "__non_callable_proto_members__", "__subclasshook__"}
+            "__non_callable_proto_members__", "__subclasshook__",
+            "_backward_cls"}  # the last: made by torch.autograd.Function's metaclass
 
 
 def _modules() -> list[str]:

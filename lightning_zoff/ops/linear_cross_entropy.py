@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from typing_extensions import override
 
 SLICE_BYTES = 256 * 2**20  # of one vocabulary slice's fp32 logits: the most the loss holds at once, times about 3
 
@@ -59,6 +60,7 @@ def _at_target(targets: torch.Tensor, kept: torch.Tensor, start: int, end: int) 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
+    @override
     def forward(ctx, hidden, weight, bias, targets, ignore_index, step):
         device_type = hidden.device.type
         # recomputed in backward under the same autocast state, so the logits there are these, bit for bit
@@ -85,6 +87,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return losses.sum() / count  # NaN when every target is ignored, as F.cross_entropy gives
 
     @staticmethod
+    @override
     def backward(ctx, grad_loss):
         hidden, weight, bias, targets, lse, count = ctx.saved_tensors
         device_type, autocast_on, autocast_dtype = ctx.autocast
