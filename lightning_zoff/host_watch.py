@@ -1,7 +1,7 @@
 """The host's memory while training: when the memory available on the host falls under a floor, zoff stops the run
 itself at the next step, on every rank at once, with one line that says where the memory went, before the OS's OOM
 killer ends the process tree (and, with it, a checkpoint being written). The floor sits far below what the plan keeps
-free (`memory_plan.Machine.host_kept`): it is reached only when something outside the plan grows."""
+free (`placement.machine.Machine.host_kept`): it is reached only when something outside the plan grows."""
 
 from __future__ import annotations
 

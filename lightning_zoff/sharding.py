@@ -4,6 +4,7 @@ root."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -35,6 +36,12 @@ def param_names(module: nn.Module) -> dict[int, list[str]]:
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
     return names
+
+
+def padded_shard_numel(global_shape: torch.Size, world_size: int) -> int:
+    """Elements of a parameter's shard as FSDP2 pads it in a unit's flat reduced gradient: ceil(dim0 / world) rows."""
+    rows = math.ceil(global_shape[0] / world_size) if len(global_shape) else 1
+    return rows * math.prod(global_shape[1:])
 
 
 def local_chunk(full: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:

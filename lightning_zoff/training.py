@@ -25,8 +25,8 @@ from lightning_zoff.config import ZoffConfig
 from lightning_zoff.host_watch import HostMemoryLow
 from lightning_zoff.launch.cpus import CpuLayout, rank_layout, torch_threads
 from lightning_zoff.launch.group import RankGroup
-from lightning_zoff.memory import Memory
-from lightning_zoff.offload import OffloadEngine, PlanDoesNotFit, StepOutcome
+from lightning_zoff.offload import OffloadEngine, StepOutcome
+from lightning_zoff.placement import PlanDoesNotFit, RankMemory
 from lightning_zoff.precision_math import PrecisionMath
 from lightning_zoff.sharding import block_classes, checkpoint_activations, is_sharded, shard_model
 from lightning_zoff.telemetry import StepTimer, step_metrics
@@ -45,7 +45,7 @@ class ShardedTraining:
         self.config, self.group = config, group
         self.root_runs_forward = root_runs_forward  # the loop calls the model itself (Fabric), not training_step
         self.cpu_layout = cpu_layout or rank_layout(group.local_rank, group.ranks_on_node, config.cpu_threads)
-        self.memory = Memory(config, group)
+        self.memory = RankMemory(config, group)
         self.checkpoints = Checkpoints(config, group)
         self.module: nn.Module | None = None
         self.engine: OffloadEngine | None = None
@@ -169,7 +169,7 @@ class ShardedTraining:
     def make_room_after_oom(self) -> bool:
         """After a window's step ran out of accelerator memory before its decision: state moved back to the host, or
         else recompute switched on for the blocks ("auto"), so the same batch can run again
-        (`Memory.make_room_after_oom`); whether either happened."""
+        (`RankMemory.make_room_after_oom`); whether either happened."""
         made = self.memory.make_room_after_oom(self._engine(), self._module(), self.recomputable)
         self._peak_stale = made
         return made

@@ -140,10 +140,10 @@ def test_failure_lines():
     line = harness.failure_line("RuntimeError: [enforce fail] DefaultCPUAllocator: can't allocate", 1)
     assert harness.outcome_of(line) == "host_oom"
     refused = "\n".join([  # the plan's refusal in rank 0, then torch's warning at the exit (the H100 run of 2026-12-06)
-        "[rank0]: lightning_zoff.offload.memory_plan.PlanDoesNotFit: zoff: the optimizer state of 14,768,307,200 ...",
+        "[rank0]: lightning_zoff.placement.refusal.PlanDoesNotFit: zoff: the optimizer state of 14,768,307,200 ...",
         "[rank0]:[W1206 10:35:41.222621654 ProcessGroupNCCL.cpp:1575] Warning: WARNING: destroy_process_group() ..."])
     line = harness.failure_line(refused, 1)
-    assert line.startswith("[rank0]: lightning_zoff.offload.memory_plan.PlanDoesNotFit: zoff: the optimizer state")
+    assert line.startswith("[rank0]: lightning_zoff.placement.refusal.PlanDoesNotFit: zoff: the optimizer state")
     assert harness.outcome_of(line) == "refused"
     worker_killed = "\n".join([  # the kernel killed a DataLoader worker; the training process failed after it
         "RuntimeError: DataLoader worker (pid 4242) is killed by signal: Killed. ",

@@ -23,7 +23,7 @@ from lightning_zoff import ZoffStrategy
 from lightning_zoff.examples.corpus import CorpusDataModule, SyntheticDataModule
 from lightning_zoff.examples.gpt import Block, GPTModule
 from lightning_zoff.examples.hf import HFCausalLM
-from lightning_zoff.offload.memory_plan import StateOptions, host_bytes_per_element
+from lightning_zoff.placement.plan import StateOptions, host_bytes_per_element
 from train_overrides import unknown_keys
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

@@ -246,7 +246,7 @@ def test_bf16_moments_with_a_beta_that_cannot_decay_warn():
 
 def test_model_larger_than_host_memory_is_refused_before_it_is_sharded(monkeypatch):
     from lightning_zoff import training
-    from lightning_zoff.offload.memory_plan import PlanDoesNotFit
+    from lightning_zoff.placement import PlanDoesNotFit
 
     def never(*args, **kwargs):
         raise AssertionError("the model must not be sharded (nor its fp32 copies made) when the plan cannot fit")

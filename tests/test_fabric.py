@@ -19,7 +19,7 @@ from torch.multiprocessing import ProcessRaisedException
 from helpers.compare import rel_err
 from helpers.fabric_loop import FabricTiny, micro_batch, train, trainer_loader
 from lightning_zoff import ZoffFabricPrecision, ZoffFabricStrategy, ZoffStrategy, training
-from lightning_zoff.offload.memory_plan import PlanDoesNotFit
+from lightning_zoff.placement import PlanDoesNotFit
 
 STEPS = 8
 SAVED_AT = 4

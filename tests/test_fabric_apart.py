@@ -16,7 +16,7 @@ from torch.multiprocessing import ProcessRaisedException
 from helpers.compare import rel_err
 from helpers.fabric_loop import FabricTiny, micro_batch, train
 from lightning_zoff import ZoffFabricStrategy, training
-from lightning_zoff.offload.memory_plan import PlanDoesNotFit
+from lightning_zoff.placement import PlanDoesNotFit
 
 STEPS, ACCUMULATE = 6, 2
 

@@ -21,8 +21,8 @@ from helpers.tiny_module import TinyModule, read_probe
 from lightning_zoff import ZoffStrategy
 from lightning_zoff.checkpoint.consolidate import consolidate
 from lightning_zoff.host_watch import HostMemoryLow
-from lightning_zoff.offload.buffers import mapped_ranges
-from lightning_zoff.offload.memory_plan import LOADER_WORKER_BYTES
+from lightning_zoff.placement.host_buffers import mapped_ranges
+from lightning_zoff.placement.machine import LOADER_WORKER_BYTES
 
 
 def loader(workers: int) -> DataLoader:
@@ -98,7 +98,7 @@ def test_workers_map_none_of_zoffs_buffers_and_train_the_same(tmp_path):
 
 
 def test_a_fork_of_the_rank_maps_none_of_its_buffers():
-    from lightning_zoff.offload.buffers import host_empty
+    from lightning_zoff.placement.host_buffers import host_empty
 
     state = [host_empty(1 << 20, torch.float32, torch.device("cpu"), pin=False).fill_(1.0) for _ in range(3)]
     ours = mapped_ranges()
@@ -141,7 +141,7 @@ class EatHost(pl.Callback):
 def test_a_host_that_runs_short_stops_the_run_in_one_line_with_the_checkpoint_whole(tmp_path, monkeypatch):
     # the ranks (forks of this process) read HOST_GB less what the test took: 20 GB until step 3, 18.5 GB after it,
     # under the floor of 19 GB; a reading of the machine's own would follow every other process on it
-    monkeypatch.setattr("lightning_zoff.memory.available_bytes", lambda: int(HOST_GB * 1e9) - EatHost.eaten)
+    monkeypatch.setattr("lightning_zoff.placement.rank.available_bytes", lambda: int(HOST_GB * 1e9) - EatHost.eaten)
     saves = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
     pl.seed_everything(7)
     with pytest.raises(HostMemoryLow) as err:

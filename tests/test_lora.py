@@ -13,8 +13,9 @@ from lightning.pytorch.strategies import DDPStrategy
 from helpers.compare import rel_err
 from helpers.tiny_module import read_probe
 from lightning_zoff import ZoffStrategy
-from lightning_zoff.memory import unit_shapes_before_sharding
-from lightning_zoff.offload.memory_plan import Machine, StateOptions, host_bytes_per_element, plan_memory
+from lightning_zoff.placement import Machine, StateOptions, plan_memory
+from lightning_zoff.placement.plan import host_bytes_per_element
+from lightning_zoff.placement.rank import unit_shapes_before_sharding
 from lightning_zoff.units import plan_units
 from test_hf import Recorded, fit
 

@@ -5,19 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_zoff.offload.memory_plan import (
-    GB,
-    HOST_RESERVE,
-    Machine,
-    PlanDoesNotFit,
-    StateOptions,
-    UnitShape,
-    host_bytes_per_element,
-    plan_memory,
-    unit_buffers,
-)
-from lightning_zoff.offload.moves import fewer_for_accelerator, more_for_accelerator
-from lightning_zoff.offload.placement import Placement
+from lightning_zoff.placement import Machine, Placement, PlanDoesNotFit, StateOptions, UnitShape, plan_memory
+from lightning_zoff.placement.machine import GB, HOST_RESERVE
+from lightning_zoff.placement.plan import host_bytes_per_element, unit_buffers
+from lightning_zoff.placement.policy import fewer_for_accelerator, more_for_accelerator
 
 BF16_ADAM = StateOptions(param_bytes=2, moment_bytes=4, moments=2, sum_bytes=0)
 HOST, ACCEL = Placement.HOST, Placement.ACCELERATOR

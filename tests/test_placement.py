@@ -8,8 +8,8 @@ import torch
 
 from lightning_zoff.config import parse_accelerator_state
 from lightning_zoff.offload.layout import ParamSlot, UnitLayout
-from lightning_zoff.offload.memory_plan import UnitShape
-from lightning_zoff.offload.placement import fewest_for_host, first_by_fraction, first_that_fit, margin_bytes
+from lightning_zoff.placement import UnitShape, margin_bytes
+from lightning_zoff.placement.policy import fewest_for_host, first_by_fraction, first_that_fit
 
 UNITS = [UnitShape("embed", 10, 10, True), UnitShape("h.0", 20, 20, True), UnitShape("h.1", 30, 30, True),
          UnitShape("head", 40, 40, True)]
@@ -59,7 +59,8 @@ def test_margin():
 
 
 def _unit_on_the_host():
-    from lightning_zoff.offload.unit_state import Placement, build_unit_state
+    from lightning_zoff.offload.unit_state import build_unit_state
+    from lightning_zoff.placement import Placement
 
     params = [torch.zeros(6), torch.zeros(4)]
     layout = UnitLayout("h.0", (ParamSlot(params[0], 0, 6, 6), ParamSlot(params[1], 6, 4, 4)), 10, ())
@@ -73,7 +74,8 @@ def _unit_on_the_host():
 
 
 def test_relocate_copies_the_state_exactly():
-    from lightning_zoff.offload.unit_state import Placement, relocate
+    from lightning_zoff.placement import Placement
+    from lightning_zoff.placement.mover import relocate
 
     unit = _unit_on_the_host()
     before = [t.clone() for t in unit.state]
@@ -88,8 +90,8 @@ def test_relocate_copies_the_state_exactly():
 
 
 def test_relocate_that_runs_out_of_memory_changes_nothing(monkeypatch):
-    from lightning_zoff.offload import unit_state
-    from lightning_zoff.offload.unit_state import Placement, relocate
+    from lightning_zoff.placement import Placement, mover
+    from lightning_zoff.placement.mover import relocate
 
     unit = _unit_on_the_host()
     state, grad_sum = unit.state, unit.grad_sum
@@ -97,7 +99,7 @@ def test_relocate_that_runs_out_of_memory_changes_nothing(monkeypatch):
     def no_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
-    monkeypatch.setattr(unit_state, "_make_buffers", no_memory)
+    monkeypatch.setattr(mover, "make_buffers", no_memory)
     with pytest.raises(torch.OutOfMemoryError):
         relocate(unit, Placement.ACCELERATOR, torch.device("cpu"), grad_sum_dtype=torch.float32, pin=False)
     assert unit.placement is Placement.HOST
@@ -111,7 +113,9 @@ def test_a_unit_moved_away_gives_its_host_memory_back_to_the_os():
 
     import psutil
 
-    from lightning_zoff.offload.unit_state import Placement, build_unit_state, relocate
+    from lightning_zoff.offload.unit_state import build_unit_state
+    from lightning_zoff.placement import Placement
+    from lightning_zoff.placement.mover import relocate
 
     n = 2**24  # one bf16 parameter: its state 16 M x 12 B, its gradient's landing buffer 16 M x 2 B
     param = torch.zeros(n, dtype=torch.bfloat16)

@@ -17,8 +17,7 @@ from helpers.compare import rel_err
 from helpers.tiny import SEQ, VOCAB, token_loader
 from helpers.tiny_module import TinyModule, read_probe
 from lightning_zoff import ZoffStatsMonitor, ZoffStrategy
-from lightning_zoff.offload.memory_plan import StateOptions, host_bytes_per_element
-from lightning_zoff.offload.placement import Placement
+from lightning_zoff.placement.plan import Placement, StateOptions, host_bytes_per_element
 
 
 def fit(tmp_path, strategy, *, devices=2, precision="32-true", batch_size=4, max_steps=12, optimizer="adamw",

@@ -20,7 +20,7 @@ from helpers.fabric_loop import RankRows
 from helpers.tiny import token_loader
 from helpers.tiny_module import TinyModule, read_probe
 from lightning_zoff import ZoffStrategy
-from lightning_zoff.offload.memory_plan import StateOptions, host_bytes_per_element
+from lightning_zoff.placement.plan import StateOptions, host_bytes_per_element
 
 STEPS, BATCH, MAX_NORM = 8, 4, 0.84  # BATCH per rank and micro-batch; 2 ranks
 

@@ -14,7 +14,7 @@ def host_floor(strategy: Any, telemetry: dict[str, float], step_s: float) -> dic
     if engine is None or "zoff/cpu_update_s" not in telemetry:
         return None
     from lightning_zoff import ops
-    from lightning_zoff.offload.placement import Placement
+    from lightning_zoff.placement import Placement
 
     host = [u for u in engine.units if u.placement is Placement.HOST and u.trained]
     probe = ops.stream_probe(nbytes=1 << 29, threads=engine.threads)

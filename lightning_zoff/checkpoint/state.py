@@ -20,8 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_zoff.checkpoint.pretrained import OnDisk
-from lightning_zoff.offload import OffloadEngine, ParamState, padded_shard_numel
-from lightning_zoff.sharding import local_chunk, param_names
+from lightning_zoff.offload import OffloadEngine, ParamState
+from lightning_zoff.sharding import local_chunk, padded_shard_numel, param_names
 
 # torch 2.13 renamed all_gather_into_tensor (2.11 has only the old name)
 _all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)

@@ -1,4 +1,4 @@
-"""What the engine moved and spent: per-step traffic counters; and the memory report's one line."""
+"""What the engine moved and spent: per-step traffic counters."""
 
 from __future__ import annotations
 
@@ -30,15 +30,3 @@ class Traffic:
                 setattr(self, name, 0)
         return taken
 
-
-def describe_memory(report: dict[str, float]) -> str:
-    """One line: sizes in MiB, ratios in bytes per parameter element, counts as they are."""
-    parts = []
-    for key, value in report.items():
-        if key in ("local_params", "trained_params", "spare_sets", "host_units", "accelerator_units"):
-            parts.append(f"{key}={int(value):,}")
-        elif "_per_" in key:
-            parts.append(f"{key}={value / 1:.2f}")
-        else:
-            parts.append(f"{key}={value / 2**20:.1f} MiB")
-    return ", ".join(parts)

@@ -18,7 +18,7 @@
    the unit's sum of squares and, with `overlap`, queue a speculative update (`HostScheduler.speculate`): the fused
    kernel runs on the unit as if the step were neither clipped nor skipped and every parameter had a gradient, writing
    the new master, moments and 16-bit copy into a set of `spare` buffers lent by the scheduler's pool (as many sets as
-   the memory plan has room for; a unit that finds none skips speculating). The committed state is never written.
+   the plan has room for; a unit that finds none skips speculating). The committed state is never written.
    Host state exists only for the parameters the optimizer trains (`trained`): fp32 master and moments fp32 or bf16
    (`moment_dtype`: the kernel computes in fp32 and stores them rounded).
 3. Decision (`step`, after backward). The global norm of the averaged gradient (the units' sums of squares in unit
@@ -38,7 +38,8 @@ is only its master's cast), so FSDP2's reduced shard is freed at once and the ac
 parameter (`grad_in_shards`); in longer windows it is added into the window's sum as it arrives. The update runs inline
 with torch ops (no spare, no worker) in pieces through one fp32 workspace, then casts the master into FSDP2's shards
 (every trained one after `grad_in_shards`, a skipped step too), all on the training stream.
-Every buffer is in the memory plan (`memory_plan.py`), which chose each unit's placement before any was allocated.
+Every buffer is in the plan (`placement/plan.py`), whose policy chose each unit's placement before any was allocated;
+the engine's `StateMover` (`placement/mover.py`) moves a unit's state between steps when the policy asks.
 A unit's state and its phase in the window (EMPTY, SUMMING, READY, FINALIZING) are a `UnitState`
 (`unit_state.py`); what the engine moved is counted in `accounting.py`.
 Without `overlap` the same functions run inline: landing right after backward, the update in place at the step.
@@ -54,29 +55,21 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from lightning_zoff.offload.accounting import Traffic, describe_memory
+from lightning_zoff.offload.accounting import Traffic
 from lightning_zoff.offload.decision import StepOutcome, decide
 from lightning_zoff.offload.fsdp_hooks import UnitHooks, order_after_copy
 from lightning_zoff.offload.landing import GradientLanding, LandingOptions
-from lightning_zoff.offload.layout import unit_layouts
-from lightning_zoff.offload.memory_plan import Machine, MemoryPlan
-from lightning_zoff.offload.placer import Placer, plan_for
+from lightning_zoff.offload.layout import unit_layouts, unit_shape
 from lightning_zoff.offload.scheduler import HostScheduler, SparePool
-from lightning_zoff.offload.unit_state import (
-    ParamState,
-    Phase,
-    Placement,
-    UnitState,
-    build_unit_state,
-    param_states,
-)
+from lightning_zoff.offload.unit_state import ParamState, Phase, UnitState, build_unit_state, param_states
 from lightning_zoff.offload.updates import UnitUpdates
 from lightning_zoff.optim.rules import UpdateRule, update_rule_for, warn_if_bf16_moments_cannot_decay
+from lightning_zoff.placement import Machine, MemoryPlan, Placement, StateMover, StateOptions, plan_memory
 
 if TYPE_CHECKING:
     from lightning_zoff.config import ZoffConfig
 
-__all__ = ["OffloadEngine", "StepOutcome", "describe_memory"]
+__all__ = ["OffloadEngine", "StepOutcome"]
 
 
 class OffloadEngine:
@@ -109,8 +102,13 @@ class OffloadEngine:
         self.forward_order = sorted((layout.name for layout, _ in layouts), key=lambda n: guess.get(n, len(guess)))
         self._seen_forward: list[str] | None = []  # recorded by the gates until the first forward entered every unit
         moments = 1 if self.rule is UpdateRule.LION else 2
-        plan = plan_for(layouts, self.forward_order, group_of, config, machine, moments=moments,
-                        sums_windows=self.sums_windows, masters_bytes=sum(t.nbytes for t in masters.values()))
+        by_name = {layout.name: layout for layout, _ in layouts}
+        options = StateOptions.of(config, param_bytes=params[0].element_size() if params else 2, moments=moments,
+                                  sums_windows=self.sums_windows)
+        plan = plan_memory([unit_shape(by_name[name], group_of) for name in self.forward_order], options, machine,
+                           config.accelerator_state if config.offload else "none", lion=moments == 1,
+                           model_bytes=sum(t.nbytes for layout, _ in layouts for t in layout.local_shards),
+                           masters_bytes=sum(t.nbytes for t in masters.values()), all_on_accelerator=not config.offload)
         if config.moment_dtype == torch.bfloat16:
             warn_if_bf16_moments_cannot_decay(self.rule, optimizer)
         # the accelerator's units first: their fp32 copies leave the host before the host's state grows
@@ -129,10 +127,10 @@ class OffloadEngine:
         h2d_stream = torch.cuda.Stream(self.param_device) if on_cuda else None  # the host's 16-bit shards up
         self.compute_stream = torch.cuda.current_stream(self.param_device) if on_cuda else None
         self.scheduler = HostScheduler(SparePool()) if config.host_worker else None
-        self.placer = Placer(plan, self.units, None if self.scheduler is None else self.scheduler.pool,
-                             host=self.state_device, accelerator=self.param_device,
-                             grad_sum_dtype=config.grad_sum_dtype,
-                             moment_dtype=config.moment_dtype, pin=config.pin_memory)
+        self.mover = StateMover(plan, self.units, None if self.scheduler is None else self.scheduler.pool,
+                                host=self.state_device, accelerator=self.param_device,
+                                grad_sum_dtype=config.grad_sum_dtype, moment_dtype=config.moment_dtype,
+                                pin=config.pin_memory)
         self.updates = UnitUpdates(self.rule, optimizer, self.traffic, self.scheduler, world_size=world_size,
                                    threads=threads, h2d_stream=h2d_stream, compute_stream=self.compute_stream,
                                    update_lag=self.update_lag)
@@ -147,7 +145,7 @@ class OffloadEngine:
 
     @property
     def plan(self) -> MemoryPlan:
-        return self.placer.plan
+        return self.mover.plan
 
     # -- backward: FSDP2's hooks call these -------------------------------------------------------------------
 
@@ -255,10 +253,10 @@ class OffloadEngine:
         return seconds
 
     def memory_report(self) -> dict[str, float]:
-        return self.placer.report()
+        return self.mover.report()
 
     def held_bytes(self) -> dict[str, int]:
-        return self.placer.held_bytes()
+        return self.mover.held_bytes()
 
     # -- state, for checkpoints and the next fit ------------------------------------------------------------
 
@@ -283,12 +281,12 @@ class OffloadEngine:
                 unit.param_staging.copy_(unit.master)
             self.updates.send(unit, unit.trained, unit.param_staging, non_blocking=False)
 
-    # -- placement ------------------------------------------------------------------------------------------
+    # -- placement: the mover's, between steps --------------------------------------------------------------
 
     def move(self, names: Sequence[str], placement: Placement) -> list[str]:
         """Move the named units' state to `placement` (exact copies, after any update in flight); the names moved."""
         self.wait_idle()
-        return self.placer.move(names, placement)
+        return self.mover.move(names, placement)
 
     @torch.no_grad()
     def abandon_window(self) -> None:
@@ -308,24 +306,24 @@ class OffloadEngine:
         self.landing.after_backward_failed()
 
     def make_room(self) -> list[str]:
-        """Move state back to the host after the accelerator ran out of memory (`Placer.make_room`), between steps or
-        after `abandon_window`; the names moved."""
+        """Move state back to the host after the accelerator ran out of memory (`StateMover.make_room`), between steps
+        or after `abandon_window`; the names moved."""
         self.wait_idle()
-        return self.placer.make_room()
+        return self.mover.make_room()
 
     def place_by_peak(self, peak: int, more: bool = True) -> tuple[list[str], list[str]]:
         """After a step whose accelerator memory peaked at `peak` bytes: units to the accelerator or back
-        (`Placer.place_by_peak`), in the forward order the first forward showed; the names moved (there, back)."""
+        (`StateMover.place_by_peak`), in the forward order the first forward showed; the names moved (there, back)."""
         self.wait_idle()
         self._take_seen_forward()
-        return self.placer.place_by_peak(peak, self.forward_order, more)
+        return self.mover.place_by_peak(peak, self.forward_order, more)
 
     def _take_seen_forward(self) -> None:
         seen, self._seen_forward = self._seen_forward or [], None
         self.forward_order = seen + [name for name in self.forward_order if name not in seen]
 
     def placement_summary(self) -> dict[str, tuple[int, int]]:
-        return self.placer.summary()
+        return self.mover.summary()
 
     def fp32_shards(self) -> dict[int, torch.Tensor]:
         """Copies of this rank's fp32 rows of every sharded parameter of the units, by id of the parameter (the master
@@ -365,5 +363,5 @@ class OffloadEngine:
     def close(self) -> None:
         """Detach and let go of the state (a new engine replaces this one)."""
         self.detach()
-        self.units.clear()  # the landing's and the placer's too
+        self.units.clear()  # the landing's and the mover's too
         self._modules, self.landing.landed_order = [], []

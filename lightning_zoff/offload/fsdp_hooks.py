@@ -1,6 +1,6 @@
-"""Where the engine meets FSDP2: the hooks through which a unit's reduced gradient reaches it, and the gate that
-holds a unit's forward until its updated shards are on the accelerator. The hooks hold the engine weakly, so a
-model outliving its Trainer does not keep the engine (its thread and its host state) alive."""
+"""Where the engine meets FSDP2: the hooks through which a unit's reduced gradient reaches it, the events that mark a
+copy's end, and the gate that holds a unit's forward until its updated shards are on the accelerator. The hooks hold
+the engine weakly, so a model outliving its Trainer does not keep the engine (its thread and its host state) alive."""
 
 from __future__ import annotations
 
@@ -58,6 +58,15 @@ class UnitHooks:
             gate.remove()
         self.module.set_all_reduce_hook(lambda flat_grad: _refuse_backward())
         restore_post_backward(cast(nn.Module, self.module))
+
+
+def record_event(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    """An event at the current end of `stream`'s work (None without a CUDA stream: CPU copies are synchronous)."""
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
 
 
 def order_after_copy(event: torch.cuda.Event | None, module: nn.Module, device: torch.device) -> None:

@@ -9,10 +9,12 @@ from dataclasses import dataclass
 import torch
 
 from lightning_zoff.offload.accounting import Traffic
-from lightning_zoff.offload.buffers import host_empty, record_event
+from lightning_zoff.offload.fsdp_hooks import record_event
 from lightning_zoff.offload.grad_math import accumulate, sum_of_squares, sum_of_squares_of
 from lightning_zoff.offload.scheduler import HostScheduler
-from lightning_zoff.offload.unit_state import Phase, Placement, UnitState
+from lightning_zoff.offload.unit_state import Phase, UnitState
+from lightning_zoff.placement import Placement
+from lightning_zoff.placement.host_buffers import host_empty
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ it. The host's gradient buffers mirror that layout, so a shard lands with a sing
 
 from __future__ import annotations
 
-import math
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import cast
 
@@ -17,6 +17,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_zoff._compat import unit_params
+from lightning_zoff.placement import UnitShape
+from lightning_zoff.sharding import padded_shard_numel
 
 
 @dataclass(frozen=True)
@@ -43,10 +45,10 @@ class UnitLayout:
         """Every sharded parameter of the unit: those in the flat gradient, then the frozen ones."""
         return [*(slot.param for slot in self.slots), *self.frozen]
 
-
-def padded_shard_numel(global_shape: torch.Size, world_size: int) -> int:
-    rows = math.ceil(global_shape[0] / world_size) if len(global_shape) else 1
-    return rows * math.prod(global_shape[1:])
+    @property
+    def local_shards(self) -> list[torch.Tensor]:
+        """This rank's shard of each of `params`."""
+        return [p.to_local() if isinstance(p, DTensor) else p for p in self.params]
 
 
 def unit_layout(name: str, module: nn.Module, world_size: int) -> UnitLayout:
@@ -75,3 +77,10 @@ def unit_layouts(units: list[tuple[str, nn.Module]], world_size: int, optimized:
             " optimize the LightningModule's own parameters, passed after sharding (configure_optimizers)."
         )
     return layouts
+
+
+def unit_shape(layout: UnitLayout, trained_ids: Container[int]) -> UnitShape:
+    """A sharded unit's shape, as the plan counts it; `trained_ids`: ids of the parameters the optimizer trains."""
+    trained = [s for s in layout.slots if id(s.param) in trained_ids]
+    return UnitShape(layout.name, sum(s.padded_numel for s in trained), layout.flat_numel,
+                     len(trained) == len(layout.slots))

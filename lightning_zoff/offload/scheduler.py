@@ -25,8 +25,9 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_zoff.offload.unit_state import Phase, SpareSet, UnitState, UpdateKey
+from lightning_zoff.offload.unit_state import Phase, UnitState, UpdateKey
 from lightning_zoff.offload.worker import HostWorker
+from lightning_zoff.placement.mover import SpareSet
 
 _LAND, _FINALIZE, _SPECULATE = 0, 1, 2
 # The worker needs the GIL for a moment between kernels; by default Python hands it over only every 5 ms, and a

@@ -16,13 +16,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_zoff.offload.buffers import host_empty
 from lightning_zoff.offload.layout import ParamSlot, UnitLayout
-from lightning_zoff.offload.placement import Placement
 from lightning_zoff.optim.rules import GroupHyperparams
+from lightning_zoff.placement import Placement
+from lightning_zoff.placement.host_buffers import host_empty
+from lightning_zoff.placement.mover import SpareSet, make_buffers
 
-__all__ = ["ParamState", "Phase", "Placement", "Run", "TrainedParam", "UnitState", "UpdateKey", "build_unit_state",
-           "kernel_runs", "param_states", "relocate"]
+__all__ = ["ParamState", "Phase", "Run", "TrainedParam", "UnitState", "UpdateKey", "build_unit_state", "kernel_runs",
+           "param_states"]
 
 
 class Phase(enum.Enum):
@@ -86,7 +87,8 @@ class UpdateKey:
 
 @dataclass(eq=False)  # compared by identity
 class UnitState:
-    """Buffers as `memory_plan.unit_buffers` sizes them for the unit's placement.
+    """Buffers as `placement.plan.unit_buffers` sizes them for the unit's placement (`placement.mover.make_buffers`
+    makes them, and `relocate` anew when the unit moves).
 
     Threads: with `overlap`, a host unit is written by the training thread and by the worker, never at once; each
     phase says who may write it and a wait hands it over:
@@ -153,6 +155,17 @@ class UnitState:
         return self.master.device
 
     @property
+    def same_layout(self) -> bool:
+        """The state is laid out as the flat gradient: every reduced parameter is trained."""
+        return len(self.trained) == len(self.layout.slots)
+
+    @property
+    def at_rest(self) -> bool:
+        """Between windows with nothing in flight (no speculation, spare set or send waiting): the state may move."""
+        return (self.phase is Phase.EMPTY and self.speculation is None and self.spare is None
+                and self.pending_send is None)
+
+    @property
     def fp32_params(self) -> bool:
         """The parameters are fp32 (32-true): they go back to the accelerator straight from the master."""
         return self.param_dtype == torch.float32
@@ -203,19 +216,6 @@ class UnitState:
                                     and self.param_staging.data_ptr() == self.grad_staging.data_ptr())
 
 
-@dataclass
-class SpareSet:
-    """A speculation's buffers: the state it writes and the 16-bit copy of its parameters (None for fp32 models, which
-    send the master); `sent`: the copy of `out` to the accelerator that must end before `out` is written again."""
-
-    state: list[torch.Tensor]
-    out: torch.Tensor | None
-    sent: torch.cuda.Event | None = None
-
-    def buffers(self) -> list[torch.Tensor]:
-        return self.state + ([] if self.out is None else [self.out])
-
-
 def build_unit_state(
     layout: UnitLayout,
     masters: dict[int, torch.Tensor],
@@ -255,54 +255,9 @@ def build_unit_state(
     param_dtype = (layout.slots[0].param if layout.slots else layout.frozen[0]).dtype
     unit = UnitState(layout, placement, param_dtype, trained, spans, state, spare=None, grad_sum=None,
                      grad_staging=None, param_staging=None, used=[False] * len(layout.slots), update_lag=update_lag)
-    _make_buffers(unit, device, sums_windows=sums_windows, grad_sum_dtype=grad_sum_dtype, pin=pin)
+    make_buffers(unit, device, sums_windows=sums_windows, grad_sum_dtype=grad_sum_dtype, pin=pin)
     unit.staging_free.set()
     return unit
-
-
-def same_layout(layout: UnitLayout, trained: list[TrainedParam]) -> bool:
-    """Whether the unit's state is laid out as its flat gradient: every reduced parameter is trained."""
-    return len(trained) == len(layout.slots)
-
-
-def relocate(unit: UnitState, placement: Placement, device: torch.device, *, grad_sum_dtype: torch.dtype, pin: bool
-             ) -> None:
-    """Move the unit's state to `device` (exact copies) and make its buffers there, freeing those it had; on failure
-    nothing changes. Between windows only."""
-    assert unit.phase is Phase.EMPTY
-    assert unit.speculation is None
-    assert unit.spare is None
-    assert unit.pending_send is None
-    before = (unit.state, unit.placement, unit.grad_sum, unit.grad_staging, unit.param_staging)
-    try:
-        unit.state = [host_empty(t.numel(), t.dtype, device, pin=False).copy_(t) for t in unit.state]  # as built
-        unit.placement = placement
-        _make_buffers(unit, device, sums_windows=unit.grad_sum is not None, grad_sum_dtype=grad_sum_dtype, pin=pin)
-    except BaseException:  # out of memory on the way: the unit stays as it was
-        unit.state, unit.placement, unit.grad_sum, unit.grad_staging, unit.param_staging = before
-        raise
-    unit.grad_copied = unit.params_copied = None
-
-
-def _make_buffers(unit: UnitState, device: torch.device, *, sums_windows: bool, grad_sum_dtype: torch.dtype,
-                  pin: bool) -> None:
-    """The unit's working buffers next to its state (`memory_plan.unit_buffers` has their sizes): the window's
-    gradient sum; on the host, the buffer the gradient lands in and the one the 16-bit parameters leave from."""
-    n, host = unit.layout.flat_numel, unit.placement is Placement.HOST
-    unit.grad_sum = host_empty(n, grad_sum_dtype, device, pin and host).zero_() if sums_windows else None
-    unit.grad_staging = host_empty(n, unit.param_dtype, device, pin) if host else None
-    lagged = unit.update_lag and host
-    unit.lagged_staging = host_empty(n, unit.param_dtype, device, pin) if lagged else None
-    unit.lagged_sum = host_empty(n, grad_sum_dtype, device, pin).zero_() if lagged and sums_windows else None
-    if not host:
-        unit.param_staging = None
-    elif unit.fp32_params:
-        unit.param_staging = unit.master
-    elif same_layout(unit.layout, unit.trained) and not lagged:
-        assert unit.grad_staging is not None
-        unit.param_staging = unit.grad_staging[: unit.master.numel()]
-    else:
-        unit.param_staging = host_empty(unit.master.numel(), unit.param_dtype, device, pin)
 
 
 @dataclass(frozen=True)

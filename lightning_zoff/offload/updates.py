@@ -11,13 +11,14 @@ from contextlib import nullcontext
 import torch
 
 from lightning_zoff.offload.accounting import Traffic
-from lightning_zoff.offload.buffers import record_event
 from lightning_zoff.offload.decision import Decision
-from lightning_zoff.offload.memory_plan import UPDATE_PIECE
+from lightning_zoff.offload.fsdp_hooks import record_event
 from lightning_zoff.offload.scheduler import HostScheduler
-from lightning_zoff.offload.unit_state import Phase, Placement, TrainedParam, UnitState, UpdateKey, kernel_runs
+from lightning_zoff.offload.unit_state import Phase, TrainedParam, UnitState, UpdateKey, kernel_runs
 from lightning_zoff.optim.rules import GroupHyperparams, UpdateRule
 from lightning_zoff.optim.update import update
+from lightning_zoff.placement import Placement
+from lightning_zoff.placement.plan import UPDATE_PIECE
 
 
 class UnitUpdates:

@@ -1,5 +1,5 @@
 """How many DataLoader workers each rank runs, read from what `fit` was given before any dataloader is built: the host
-plan keeps room for them (`memory_plan.Machine.host_kept`)."""
+plan keeps room for them (`placement.machine.Machine.host_kept`)."""
 
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ def step_bytes(cfg: dict, layers: int, batch: int) -> int:
 
 def predict_layers(cfg: dict, batch: int, moment_bytes: int, host_available: int, gpu_total: int) -> int:
     """The most layers whose optimizer state the memory plan fits beside `step_bytes` (0 if none)."""
-    from lightning_zoff.offload import Machine, PlanDoesNotFit, StateOptions, UnitShape, margin_bytes, plan_memory
+    from lightning_zoff.placement import Machine, PlanDoesNotFit, StateOptions, UnitShape, margin_bytes, plan_memory
 
     options = StateOptions(param_bytes=2, moment_bytes=moment_bytes, moments=2, sum_bytes=0)
     machine = Machine(host_available, gpu_total)

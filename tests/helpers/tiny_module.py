@@ -10,7 +10,7 @@ from lightning.pytorch import Callback, LightningModule
 
 import lightning_zoff.optim
 from helpers.tiny import EPS, LR, TinyLM, adamw, loss_of, param_groups
-from lightning_zoff.offload.placement import Placement
+from lightning_zoff.placement import Placement
 
 ACCELERATOR = Placement.ACCELERATOR
 

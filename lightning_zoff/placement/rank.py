@@ -1,45 +1,38 @@
-"""A rank's memory, for either front door: the machine read once at setup, the plan checked before the model is
-sharded (and the activation checkpointing "auto" chooses from it), "auto"'s moves after steps, the lines that report
-them, and what an out-of-memory error says. `ShardedTraining` owns one `Memory`; the bytes themselves are the engine's
-memory plan's."""
+"""A rank's memory over a run, for either front door: the machine read once at setup, the plan checked before the model
+is sharded (and the activation checkpointing "auto" chooses from it), "auto"'s moves after steps, room made after a
+step ran the accelerator out of memory, the lines that report them, what an out-of-memory error says, and the host's
+floor checked at each step. `ShardedTraining` owns one `RankMemory`; it drives the engine's `StateMover` through the
+engine, and the bytes are the plan's."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Generator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lightning_zoff._compat import finish_failed_backward
-from lightning_zoff.config import ZoffConfig
 from lightning_zoff.host_watch import HostMemoryLow, available_bytes, floor_bytes, stop_line
 from lightning_zoff.launch.group import RankGroup, group_is_up
 from lightning_zoff.launch.node_log import log_for_node
-from lightning_zoff.offload import (
-    Machine,
-    MemoryPlan,
-    OffloadEngine,
-    Placement,
-    StateOptions,
-    UnitShape,
-    accelerator_holds_all,
-    back_for_room,
-    describe_memory,
-    measure_machine,
-    padded_shard_numel,
-    plan_memory,
-    size,
-)
-from lightning_zoff.sharding import block_classes, recompute_activations, unit_params
+from lightning_zoff.placement.machine import Machine, measure_machine, size
+from lightning_zoff.placement.plan import MemoryPlan, Placement, StateOptions, UnitShape
+from lightning_zoff.placement.policy import accelerator_holds_all, back_for_room, plan_memory
+from lightning_zoff.sharding import block_classes, padded_shard_numel, recompute_activations, unit_params
 from lightning_zoff.units import Unit, forward_order
+
+if TYPE_CHECKING:  # the engine's type: this drives it, and loads none of the pipeline
+    from lightning_zoff.config import ZoffConfig
+    from lightning_zoff.offload import OffloadEngine
 
 log = logging.getLogger("lightning_zoff")
 
 
-class Memory:
+class RankMemory:
     """The memory of the rank `group` describes, under `config`."""
 
     def __init__(self, config: ZoffConfig, group: RankGroup) -> None:
@@ -51,18 +44,10 @@ class Memory:
         self._floor = floor_bytes(config.host_memory_floor)
 
     def read_machine(self, loader_workers: int = 0) -> Machine:
-        """The least memory any rank measured: every rank plans with the same numbers (they read the host at slightly
-        different moments), so their plans and their reports agree. `loader_workers`: each rank's DataLoader workers,
-        kept room for on the host."""
-        g = self.group
-        machine = measure_machine(g.device, g.ranks_on_node, loader_workers)
-        if g.world_size > 1 and group_is_up():
-            readings = torch.tensor([machine.host_available, machine.accelerator_capacity or -1], dtype=torch.float64)
-            dist.all_reduce(readings, op=dist.ReduceOp.MIN)  # a CPU tensor: gloo, also under "cpu:gloo,cuda:nccl"
-            host, accelerator = (int(v) for v in readings.tolist())
-            machine = Machine(host, None if accelerator < 0 else accelerator, loader_workers)
-        self.machine = machine
-        return machine
+        """The machine every rank plans with (`measure_machine`: the least any rank measured); `loader_workers`: each
+        rank's DataLoader workers, kept room for on the host."""
+        self.machine = measure_machine(self.group, loader_workers)
+        return self.machine
 
     def check_before_sharding(self, module: nn.Module, units: list[Unit],
                               accumulate_grad_batches: int, param_bytes: int) -> set[type[nn.Module]]:
@@ -222,3 +207,16 @@ def unit_shapes_before_sharding(model: nn.Module, units: list[Unit], world_size:
             reduced += padded if p.requires_grad else 0
         shapes.append(UnitShape(unit.name, reduced, reduced, True))
     return shapes, model_bytes
+
+
+def describe_memory(report: dict[str, float]) -> str:
+    """The memory report in one line: sizes in MiB, ratios in bytes per parameter element, counts as they are."""
+    parts = []
+    for key, value in report.items():
+        if key in ("local_params", "trained_params", "spare_sets", "host_units", "accelerator_units"):
+            parts.append(f"{key}={int(value):,}")
+        elif "_per_" in key:
+            parts.append(f"{key}={value / 1:.2f}")
+        else:
+            parts.append(f"{key}={value / 2**20:.1f} MiB")
+    return ", ".join(parts)

@@ -1,57 +1,49 @@
-"""Where each unit's state lives, kept as the memory plan says: moves between steps (each leaving no copy behind), the
-spare sets sized for the host's room after each, and what the engine's tensors hold. The engine owns one `Placer`."""
+"""The mechanism: moving a unit's state between the host and the accelerator as the plan and the policy say. Each
+move is an exact copy that leaves nothing behind (`relocate`: the state copied, the unit's working buffers made anew
+on its side by `make_buffers`, the old ones freed; nothing changes should it fail); the spare sets are made or freed
+for the host's room after each; and what the units' tensors hold, per side (the memory report). The engine owns one
+`StateMover` and moves units between steps only: no update is in flight while a unit moves."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
-from torch.distributed.tensor import DTensor
 
-from lightning_zoff.offload.buffers import host_empty
-from lightning_zoff.offload.layout import UnitLayout
-from lightning_zoff.offload.memory_plan import (
-    Machine,
-    MemoryPlan,
-    StateOptions,
-    plan_memory,
-    unit_shape,
-)
-from lightning_zoff.offload.moves import back_for_room, fewer_for_accelerator, more_for_accelerator
-from lightning_zoff.offload.scheduler import SparePool
-from lightning_zoff.offload.unit_state import Placement, SpareSet, UnitState, relocate
+from lightning_zoff.placement.host_buffers import host_empty
+from lightning_zoff.placement.plan import MemoryPlan, Placement
+from lightning_zoff.placement.policy import back_for_room, fewer_for_accelerator, more_for_accelerator
 
-if TYPE_CHECKING:
-    from lightning_zoff.config import ZoffConfig
+if TYPE_CHECKING:  # the pipeline's types: the mover moves them, and loads none of the pipeline
+    from lightning_zoff.offload.scheduler import SparePool
+    from lightning_zoff.offload.unit_state import UnitState
 
 
-def local(param: nn.Parameter) -> torch.Tensor:
-    return param.to_local() if isinstance(param, DTensor) else param
+@dataclass
+class SpareSet:
+    """A speculation's buffers: the state it writes and the 16-bit copy of its parameters (None for fp32 models, which
+    send the master); `sent`: the copy of `out` to the accelerator that must end before `out` is written again. As many
+    as the plan has room for (`MemoryPlan.spare_sets`), made here, lent by the scheduler's pool."""
+
+    state: list[torch.Tensor]
+    out: torch.Tensor | None
+    sent: torch.cuda.Event | None = None
+
+    def buffers(self) -> list[torch.Tensor]:
+        return self.state + ([] if self.out is None else [self.out])
 
 
-def plan_for(layouts: list[tuple[UnitLayout, nn.Module]], forward_order: Sequence[str], group_of: dict[int, int],
-             config: ZoffConfig, machine: Machine, *, moments: int, sums_windows: bool, masters_bytes: int
-             ) -> MemoryPlan:
-    """The memory plan of the engine's units (`forward_order`: their names as a forward enters them; `group_of`: the
-    optimizer's param group of each trained parameter, by id)."""
-    by_name = {layout.name: layout for layout, _ in layouts}
-    params = [p for layout, _ in layouts for p in layout.params]
-    options = StateOptions.of(config, param_bytes=params[0].element_size() if params else 2, moments=moments,
-                              sums_windows=sums_windows)
-    return plan_memory([unit_shape(by_name[name], group_of) for name in forward_order], options, machine,
-                       config.accelerator_state if config.offload else "none",
-                       model_bytes=sum(local(p).nbytes for p in params), lion=moments == 1,
-                       masters_bytes=masters_bytes, all_on_accelerator=not config.offload)
+class StateMover:
+    """Keeps each unit's state where `plan` says, and the plan in step with each move. `units`: the engine's list;
+    `pool`: the spare sets' pool (None without overlap)."""
 
-
-class Placer:
     def __init__(self, plan: MemoryPlan, units: list[UnitState], pool: SparePool | None, *, host: torch.device,
                  accelerator: torch.device, grad_sum_dtype: torch.dtype, moment_dtype: torch.dtype, pin: bool) -> None:
         self.plan = plan
         self.units = units  # the engine's list
-        self.pool = pool  # None without overlap
+        self.pool = pool
         self.host, self.accelerator = host, accelerator
         self.grad_sum_dtype, self.moment_dtype, self.pin = grad_sum_dtype, moment_dtype, pin
         self._spare_trained = 0  # the size the pool's sets are made for
@@ -129,7 +121,7 @@ class Placer:
 
     def report(self) -> dict[str, float]:
         """The plan's bytes by kind and side, with this rank's share of the model."""
-        locals_ = [local(p) for unit in self.units for p in unit.layout.params]
+        locals_ = [t for unit in self.units for t in unit.layout.local_shards]
         local_numel = sum(t.numel() for t in locals_)
         report = {"local_params": local_numel, **self.plan.report()}
         report["accelerator_params"] = sum(t.nbytes for t in locals_)
@@ -145,3 +137,40 @@ class Placer:
         if self.pool is not None:
             held[Placement.HOST.value] += sum(t.nbytes for t in self.pool.free_buffers())
         return held
+
+
+def relocate(unit: UnitState, placement: Placement, device: torch.device, *, grad_sum_dtype: torch.dtype, pin: bool
+             ) -> None:
+    """Move the unit's state to `device` (exact copies) and make its buffers there, freeing those it had; on failure
+    nothing changes. Between windows only."""
+    assert unit.at_rest
+    before = (unit.state, unit.placement, unit.grad_sum, unit.grad_staging, unit.param_staging)
+    try:
+        unit.state = [host_empty(t.numel(), t.dtype, device, pin=False).copy_(t) for t in unit.state]  # as built
+        unit.placement = placement
+        make_buffers(unit, device, sums_windows=unit.grad_sum is not None, grad_sum_dtype=grad_sum_dtype, pin=pin)
+    except BaseException:  # out of memory on the way: the unit stays as it was
+        unit.state, unit.placement, unit.grad_sum, unit.grad_staging, unit.param_staging = before
+        raise
+    unit.grad_copied = unit.params_copied = None
+
+
+def make_buffers(unit: UnitState, device: torch.device, *, sums_windows: bool, grad_sum_dtype: torch.dtype,
+                 pin: bool) -> None:
+    """The unit's working buffers next to its state (`plan.unit_buffers` has their sizes): the window's gradient sum;
+    on the host, the buffer the gradient lands in and the one the 16-bit parameters leave from."""
+    n, host = unit.layout.flat_numel, unit.placement is Placement.HOST
+    unit.grad_sum = host_empty(n, grad_sum_dtype, device, pin and host).zero_() if sums_windows else None
+    unit.grad_staging = host_empty(n, unit.param_dtype, device, pin) if host else None
+    lagged = unit.update_lag and host
+    unit.lagged_staging = host_empty(n, unit.param_dtype, device, pin) if lagged else None
+    unit.lagged_sum = host_empty(n, grad_sum_dtype, device, pin).zero_() if lagged and sums_windows else None
+    if not host:
+        unit.param_staging = None
+    elif unit.fp32_params:
+        unit.param_staging = unit.master
+    elif unit.same_layout and not lagged:
+        assert unit.grad_staging is not None
+        unit.param_staging = unit.grad_staging[: unit.master.numel()]
+    else:
+        unit.param_staging = host_empty(unit.master.numel(), unit.param_dtype, device, pin)

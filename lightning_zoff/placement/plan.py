@@ -1,4 +1,4 @@
-"""The engine's memory plan: every byte it allocates, per unit and per side, decided before any of it is allocated.
+"""The plan: every byte the engine allocates, per unit and per side, decided before any of it is allocated, and frozen.
 
 A unit's optimizer state lives on one side (`Placement`). What it costs there, by buffer:
 - on the host: ``master`` (fp32), ``moments`` (fp32 or bf16, one or two), ``grad_landing`` (the reduced shard in the
@@ -16,52 +16,33 @@ at a time; as many as the host has room for, at most one per two host units); on
 update's fp32 workspace (it runs in pieces of at most `UPDATE_PIECE` elements) and, with the window's sum on the
 accelerator, that sum (one unit's, or every host unit's when retained).
 
-The engine allocates exactly this (a test compares its tensors with the plan, per side), the budget checks read it,
-placement decides with it, and the memory report prints it. A plan that does not fit the machine is refused before
-anything is allocated, with the numbers and the options that would fit (`PlanDoesNotFit`).
+The engine allocates exactly this (`mover.make_buffers`; a test compares its tensors with the plan, per side), the
+budget checks read it, the policy (`policy.py`) places units with it, and the memory report prints it. The policy's
+`plan_memory` makes a rank's plan, refusing one that does not fit before anything is allocated (`refusal.py`); a plan
+changes only into a new plan (`with_placement`, `moved`, `reordered`).
 """
 
 from __future__ import annotations
 
-import os
+import enum
 from collections import Counter
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-import psutil
-import torch
-
-from lightning_zoff.offload.layout import UnitLayout
-from lightning_zoff.offload.placement import (
-    Placement,
-    fewest_for_host,
-    first_by_fraction,
-    margin_bytes,
-)
+from lightning_zoff.placement.machine import Machine, size
 
 if TYPE_CHECKING:
     from lightning_zoff.config import ZoffConfig
 
-GB = 1e9
-GiB = 2**30
 UPDATE_PIECE = 1 << 26  # elements an accelerator-side update converts to fp32 at once (256 MiB of workspace)
-# of the host memory available at setup, left to the rest of the process (CUDA, Python, data, checkpoints) and the OS:
-# the 13B GPT on a 134 GB host peaked 2.1 GB above its plan with 10% (121 GB with the plan at 119)
-HOST_RESERVE = 0.17
-# kept for each DataLoader worker of a rank: a worker is a fork of the rank that inherits none of zoff's buffers
-# (`buffers.py`), so it owns only the pages of the rank's Python heap it writes (reference counts, the collector) and
-# its batches: 11 MB (USS) after 200 batches on CPU; Llama-3-8B on 1x H100 with 4 workers peaked at 104.1 GB of the
-# process tree's PSS, 104.7 without (2026-12-06). A GiB each covers a large heap and large batches.
-LOADER_WORKER_BYTES = GiB
 
 
-def size(nbytes: float) -> str:
-    return f"{nbytes / GB:.1f} GB" if abs(nbytes) >= 0.1 * GB else f"{nbytes / 1e6:.1f} MB"
+class Placement(enum.Enum):
+    """Where a unit's master and moments live and its update runs."""
 
-
-class PlanDoesNotFit(MemoryError):
-    """The model's state does not fit this machine with these options; the message says what would."""
+    HOST = "host"  # the fused CPU kernels; gradients come down, 16-bit parameters go up
+    ACCELERATOR = "accelerator"  # torch ops next to the parameters
 
 
 @dataclass(frozen=True)
@@ -70,13 +51,6 @@ class UnitShape:
     trained: int  # elements of its state on this rank: the optimizer's parameters, each padded as in the flat shard
     reduced: int  # elements of its reduced gradient: every parameter that requires one
     same_layout: bool  # the state is laid out as the gradient (every reduced parameter is trained)
-
-
-def unit_shape(layout: UnitLayout, trained_ids: Container[int]) -> UnitShape:
-    """A sharded unit's shape; `trained_ids`: ids of the parameters the optimizer trains."""
-    trained = [s for s in layout.slots if id(s.param) in trained_ids]
-    return UnitShape(layout.name, sum(s.padded_numel for s in trained), layout.flat_numel,
-                     len(trained) == len(layout.slots))
 
 
 @dataclass(frozen=True)
@@ -116,7 +90,7 @@ class StateOptions:
 
 
 def unit_buffers(shape: UnitShape, options: StateOptions, placement: Placement) -> dict[str, int]:
-    """Bytes of each buffer the engine allocates for the unit at `placement`."""
+    """Bytes of each buffer the engine allocates for the unit at `placement` (`mover.make_buffers` makes them)."""
     buffers = {"master": 4 * shape.trained, "moments": options.moments * options.moment_bytes * shape.trained,
                "grad_sum": options.sum_bytes * shape.reduced}
     if placement is Placement.HOST:
@@ -132,44 +106,6 @@ def unit_buffers(shape: UnitShape, options: StateOptions, placement: Placement) 
 def host_bytes_per_element(options: StateOptions) -> int:
     """Host bytes of a unit whose every reduced element is trained, per element, spare sets aside."""
     return sum(unit_buffers(UnitShape("", 1, 1, True), options, Placement.HOST).values())
-
-
-@dataclass(frozen=True)
-class Machine:
-    """What this rank may use, read once at setup before anything is allocated."""
-
-    host_available: int  # this rank's share of the host memory available then
-    accelerator_capacity: int | None  # what this rank's allocator may hold on its CUDA device; None: no GPU
-    loader_workers: int = 0  # this rank's DataLoader worker processes
-
-    @property
-    def host_kept(self) -> int:
-        """Host memory left to the rest of the process tree: this process beside zoff's state, the OS, and the rank's
-        DataLoader workers."""
-        return max(GiB // 4, int(HOST_RESERVE * self.host_available)) + self.loader_workers * LOADER_WORKER_BYTES
-
-    @property
-    def host_capacity(self) -> int:
-        """What zoff may hold on the host: the available memory less what is kept for the rest."""
-        return max(0, self.host_available - self.host_kept)
-
-    @property
-    def accelerator_margin(self) -> int:
-        return 0 if self.accelerator_capacity is None else margin_bytes(self.accelerator_capacity)
-
-
-def measure_machine(device: torch.device, ranks_on_node: int, loader_workers: int = 0) -> Machine:
-    """The host's available memory (ZOFF_HOST_MEMORY_BYTES overrides it: tests, shared hosts) split among the node's
-    ranks, and what this process's CUDA allocator can hold (a per-process memory fraction counts); `loader_workers`:
-    the rank's DataLoader workers, kept room for."""
-    available = int(os.environ.get("ZOFF_HOST_MEMORY_BYTES", 0)) or psutil.virtual_memory().available
-    accelerator = None
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        cap = int(total * (get_fraction(device) if get_fraction is not None else 1.0))
-        accelerator = min(cap, free + torch.cuda.memory_reserved(device))
-    return Machine(available // ranks_on_node, accelerator, loader_workers)
 
 
 @dataclass(frozen=True)
@@ -305,90 +241,3 @@ class MemoryPlan:
         report["accelerator_units"] = len(on_accelerator)
         report["host_units"] = len(host)
         return report
-
-
-# -- planning ------------------------------------------------------------------------------------------------------
-
-
-def plan_memory(shapes: Sequence[UnitShape], options: StateOptions, machine: Machine, accelerator_state: str | float,
-                *, model_bytes: int, lion: bool = False, masters_bytes: int = 0,
-                all_on_accelerator: bool = False) -> MemoryPlan:
-    """Place every unit (`shapes` in forward order) and size the spare sets; raise `PlanDoesNotFit` when the machine
-    cannot hold the result (`masters_bytes`: the fp32 copies the state is built from, held meanwhile).
-
-    `accelerator_state`: "none" keeps all state on the host; a fraction puts the first units in forward order up to that
-    share of the trained elements on the accelerator; "auto" (on a GPU) puts there only the first units the host cannot
-    hold (the rest may follow once a step measured the accelerator's peak: `moves.more_for_accelerator`)."""
-    base = MemoryPlan(tuple(shapes), options, {}, machine, model_bytes, lion)
-    plan = _placed(base, "all" if all_on_accelerator else accelerator_state)
-    problems = plan.problems(masters_bytes)
-    if problems:
-        raise PlanDoesNotFit(_refusal(plan, problems, accelerator_state, masters_bytes))
-    return plan
-
-
-def _placed(plan: MemoryPlan, accelerator_state: str | float) -> MemoryPlan:
-    shapes = plan.shapes
-    plan = replace(plan, placement={s.name: Placement.HOST for s in shapes})
-    on_accelerator: list[str]
-    if accelerator_state == "all":
-        on_accelerator = [s.name for s in shapes]
-    elif accelerator_state == "none":
-        on_accelerator = []
-    elif isinstance(accelerator_state, float):
-        on_accelerator = first_by_fraction(shapes, accelerator_state)
-    elif plan.machine.accelerator_capacity is None:  # "auto" on a CPU accelerator: nothing to gain
-        on_accelerator = []
-    else:
-        sizes = {s.name: sum(unit_buffers(s, plan.options, Placement.HOST).values()) for s in shapes}
-        building = max((4 * s.trained for s in shapes), default=0)  # one unit's fp32 copy while its state is made
-        on_accelerator = fewest_for_host(shapes, sizes, plan.machine.host_capacity - building)
-    return plan.moved(on_accelerator, Placement.ACCELERATOR)
-
-
-def accelerator_holds_all(plan: MemoryPlan) -> bool:
-    """Whether the accelerator could hold every unit's state beside the model and the margin, activations aside:
-    where it cannot, the host takes state, and memory the activations free on the accelerator is worth more as state
-    there than the recomputation costs (the host's update, not the accelerator, sets the pace)."""
-    capacity = plan.machine.accelerator_capacity
-    if capacity is None:
-        return True
-    on_accelerator = plan.with_placement({s.name: Placement.ACCELERATOR for s in plan.shapes})
-    return plan.model_bytes + on_accelerator.accelerator_bytes + plan.machine.accelerator_margin <= capacity
-
-
-def _refusal(plan: MemoryPlan, problems: list[str], accelerator_state: str | float, masters_bytes: int) -> str:
-    """The message of a plan that does not fit: what it needs where, and the options that would fit."""
-    options = plan.options
-    trained = sum(s.trained for s in plan.shapes)
-    lines = [f"zoff: the optimizer state of {trained:,} trained elements on this rank does not fit "
-             + " and ".join(problems) + f" (host: {size(plan.machine.host_available)} available at setup, of which"
-             f" {size(plan.machine.host_kept)} stays with the rest of the process tree: {HOST_RESERVE:.0%} or at least"
-             f" 0.25 GiB, and {size(LOADER_WORKER_BYTES)} for each of {plan.machine.loader_workers} loader workers;"
-             f" {host_bytes_per_element(options)} B per element on the host, {options.state_bytes(1)} on the"
-             " accelerator)."]
-    fits = []
-    if options.moment_bytes == 4:
-        smaller = _placed(replace(plan, options=replace(options, moment_bytes=2)), accelerator_state)
-        if not smaller.problems(masters_bytes):
-            fits.append(f"optimizer_state_dtype='bf16' (moments in 2 bytes each): {_to_spare(smaller, masters_bytes)}")
-    for state in ("auto", 0.25, 0.5, 0.75, 1.0):
-        placed = _placed(plan, state)
-        if state != accelerator_state and not placed.problems(masters_bytes):
-            fits.append(f"accelerator_state={state!r}: {_to_spare(placed, masters_bytes)}")
-            break
-    text = "Options that fit (checked by the plan): " + "; ".join(fits) + ". " if fits else ""
-    return (lines[0] + " " + text + "Beyond the plan, which counts no activations: activation checkpointing"
-            " (ZoffStrategy(activation_checkpointing_policy={YourBlock})) and a smaller batch leave the accelerator"
-            " more room for state; more ranks (GPUs or nodes) split the state among them.")
-
-
-def _to_spare(plan: MemoryPlan, masters_bytes: int) -> str:
-    """What a plan that fits leaves free on each side."""
-    host = plan.machine.host_capacity - plan.host_setup_peak(masters_bytes)
-    text = f"fits with {size(host)} to spare on the host"
-    capacity = plan.machine.accelerator_capacity
-    if capacity is not None:
-        accelerator = capacity - plan.model_bytes - plan.accelerator_bytes - plan.machine.accelerator_margin
-        text += f" and {size(accelerator)} on the accelerator before activations"
-    return text

@@ -1,4 +1,5 @@
-"""Host buffers: mapped by zoff itself, kept out of forked children, in huge pages, and pinned when possible.
+"""Where a unit's state lives on the host: buffers mapped by zoff itself, kept out of forked children, in huge pages,
+and pinned when possible.
 
 Each host buffer is its own anonymous mapping of whole pages (`mmap`), of its exact size:
 - ``MADV_DONTFORK``: a fork of the training process (every DataLoader worker is one; so is `subprocess` before its
@@ -10,7 +11,7 @@ Each host buffer is its own anonymous mapping of whole pages (`mmap`), of its ex
   with 4 KiB pages that is a TLB miss per page and stream. Large mappings start on a 2 MiB boundary for it.
 - Pinned (`cudaHostRegister`) when asked and the OS allows it, else pageable with one warning: only pinned memory
   copies asynchronously at full PCIe speed. torch's pinned allocator would round each buffer up to a power of two (a
-  630 MB unit buffer takes 1 GiB) and cache freed blocks, so the memory plan would not be what the process holds.
+  630 MB unit buffer takes 1 GiB) and cache freed blocks, so the plan would not be what the process holds.
 The mapping lives as long as the tensor's storage (views included): it is unregistered, then unmapped, after the last.
 """
 
@@ -147,11 +148,3 @@ def _warn_pageable(error: str) -> None:
             stacklevel=3,
         )
 
-
-def record_event(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
-    """An event at the current end of `stream`'s work (None without a CUDA stream: CPU copies are synchronous)."""
-    if stream is None:
-        return None
-    event = torch.cuda.Event()
-    event.record(stream)
-    return event
