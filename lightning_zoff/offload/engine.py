@@ -15,10 +15,11 @@
    unit's fp32 host `grad_sum` when the window has more micro-batches (a window of one leaves it in `grad_staging`,
    which the kernel reads directly: promoting 16 to 32 bits is exact, so both give the same bits; with
    `accumulate_grad_batches=1` no `grad_sum` is allocated at all). At the window's end, take
-   the unit's sum of squares and, with `overlap`, queue a speculative update (`HostScheduler.speculate`): the fused
-   kernel runs on the unit as if the step were neither clipped nor skipped and every parameter had a gradient, writing
-   the new master, moments and 16-bit copy into a set of `spare` buffers lent by the scheduler's pool (as many sets as
-   the plan has room for; a unit that finds none skips speculating). The committed state is never written.
+   the unit's sum of squares and, with `overlap`, hand it on (`unit_ready`, the landing's next stage) to a
+   speculative update (`UnitUpdates.speculate`, queued by `HostScheduler.speculate`): the fused kernel runs on the
+   unit as if the step were neither clipped nor skipped and every parameter had a gradient, writing the new master,
+   moments and 16-bit copy into a set of `spare` buffers lent by the scheduler's pool (as many sets as the plan has
+   room for; a unit that finds none skips speculating). The committed state is never written.
    Host state exists only for the parameters the optimizer trains (`trained`): fp32 master and moments fp32 or bf16
    (`moment_dtype`: the kernel computes in fp32 and stores them rounded).
 3. Decision (`step`, after backward). The global norm of the averaged gradient (the units' sums of squares in unit
@@ -137,8 +138,7 @@ class OffloadEngine:
         self.landing = GradientLanding(
             self.units, LandingOptions(config.grad_sum_dtype, config.pin_memory, config.grad_accum_on == "accelerator",
                                        config.retain_gpu_grad_partition_until_step, threads),
-            self.traffic, self.scheduler,
-            lambda unit: None if self.update_lag else self.updates.speculate(unit, self.landing.loss_scale),
+            self.traffic, self.scheduler, self,
             param_device=self.param_device, copy_stream=self.copy_stream, compute_stream=self.compute_stream)
         self._hooks: list[UnitHooks] = []
         self._detached = False
@@ -147,7 +147,7 @@ class OffloadEngine:
     def plan(self) -> MemoryPlan:
         return self.mover.plan
 
-    # -- backward: FSDP2's hooks call these -------------------------------------------------------------------
+    # -- 1, 2. backward and landing: FSDP2's hooks call these, the landing calls `unit_ready` ----------------
 
     def attach(self) -> None:
         """Hook every unit with a parameter that requires a gradient: its reduce (FSDP2 then sums, not averages,
@@ -164,12 +164,21 @@ class OffloadEngine:
         self.landing.on_grads_noted(index, used)
 
     def on_unit_reduced(self, index: int, flat_grad: torch.Tensor) -> None:
+        """FSDP2's reduce hook, on the copy stream: the unit's reduced shard goes down (or into its sum) and is queued
+        to land (`GradientLanding.land`), which calls `unit_ready` at the window's end."""
         self.landing.on_unit_reduced(index, flat_grad)
 
     def after_backward(self) -> None:
         self.landing.after_backward()
 
-    # -- step -----------------------------------------------------------------------------------------------
+    def unit_ready(self, unit: UnitState) -> None:
+        """The landing's next stage (`LandingEvents`, on the worker): a host unit's window gradient is complete, so
+        its update runs speculatively into a spare set at this backward's loss scale (a lagged one waits for the
+        step)."""
+        if not self.update_lag:
+            self.updates.speculate(unit, self.landing.loss_scale)
+
+    # -- 3, 4. the step: the decision, then each unit's update finalized and sent ----------------------------
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer, max_norm: float | None, loss_scale: float = 1.0) -> StepOutcome:
@@ -216,7 +225,7 @@ class OffloadEngine:
                 self.updates.send(unit, unit.pending_send, unit.param_staging, non_blocking=True)
                 unit.pending_send = None
 
-    # -- forward --------------------------------------------------------------------------------------------
+    # -- the next forward: each unit waits for its own update -----------------------------------------------
 
     def gate(self, index: int) -> None:
         """Before a unit's forward: wait until its update is decided and on its way, then order FSDP2's all-gather

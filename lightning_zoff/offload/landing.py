@@ -3,8 +3,9 @@ window's sum, its sum of squares. The engine owns one `GradientLanding` (its doc
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -26,20 +27,27 @@ class LandingOptions:
     threads: int | None  # of the host kernels
 
 
+class LandingEvents(Protocol):
+    """What the landing tells the engine: the next stage of a gradient's path."""
+
+    def unit_ready(self, unit: UnitState) -> None:
+        """The host unit's window gradient is complete, with its sum of squares (on the worker, with overlap)."""
+
+
 class GradientLanding:
     """The backward half of the engine: the hooks' `on_grads_noted` and `on_unit_reduced` land here, and
-    `land` folds each arrival into its window (on the scheduler's worker, or inline). `speculate(unit)` is called for
-    each host unit whose window's gradient is complete, on the worker."""
+    `land` folds each arrival into its window (on the scheduler's worker, or inline). `events.unit_ready(unit)` is
+    called for each host unit whose window's gradient is complete, on the worker."""
 
     def __init__(self, units: list[UnitState], options: LandingOptions, traffic: Traffic,
-                 scheduler: HostScheduler | None, speculate: Callable[[UnitState], None], *,
+                 scheduler: HostScheduler | None, events: LandingEvents, *,
                  param_device: torch.device, copy_stream: torch.cuda.Stream | None,
                  compute_stream: torch.cuda.Stream | None) -> None:
         self.units = units  # the engine's list
         self.options = options
         self.traffic = traffic
         self.scheduler = scheduler  # None without overlap (and once the engine detached)
-        self.speculate = speculate
+        self.events = events
         self.param_device = param_device
         self.copy_stream = copy_stream  # D2H: FSDP2 calls `on_unit_reduced` on it
         self.compute_stream = compute_stream  # the training loop's: where the accelerator's units update
@@ -104,7 +112,8 @@ class GradientLanding:
         self.landed_order.append(unit)
         if self.scheduler is not None and self.on_worker(unit):
             event = unit.grad_copied
-            self.scheduler.land(lambda: self.land(unit, window_ends), ready=None if event is None else event.query)
+            self.scheduler.land(functools.partial(self.land, unit, window_ends),
+                                ready=None if event is None else event.query)
 
     @staticmethod
     @torch.no_grad()
@@ -198,7 +207,7 @@ class GradientLanding:
             if window_ends:
                 unit.sumsq = self.sumsq(unit)
                 if self.on_worker(unit):
-                    self.speculate(unit)
+                    self.events.unit_ready(unit)
         finally:
             if unit.grad_staging is None or unit.window_grad is not unit.grad_staging:
                 unit.staging_free.set()
