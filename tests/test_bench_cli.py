@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from zoffbench import bench, deepspeed_runs, harness, model_shapes, plot, results, runs
 
@@ -234,7 +235,7 @@ def test_cpu_run_records_model_and_gpu_memory(tmp_path):
 
 def test_unsupported_run_is_an_entry_without_a_process():
     args = argparse.Namespace(model="gpt1b", batch=8, gpu_memory_gb=None, zoff_option=[], layers=None,
-                              activation_checkpointing=False, clip=1.0, seq=None, num_workers=0)
+                              activation_checkpointing=False, clip=1.0, seq=None, num_workers=0, data="random")
     entry = bench.run_child(args, "deepspeed_zero2_zenflow", accumulate=4, steps=8, warmup=2)
     assert entry["outcome"] == "unsupported"
     assert "accumulate 1" in entry["error"]
@@ -362,3 +363,36 @@ def test_write_result_puts_the_header_first(two_h200s, monkeypatch, tmp_path):
     out = tmp_path / "given.json"
     assert results.write_result({"rows": []}, "kernels", out) == out  # --out wins over the rule
     assert json.loads(out.read_text())["rows"] == []
+
+
+def test_clipped_fraction_counts_as_zoff_clips():
+    # zoff clips when norm + 1e-6 > max_norm (torch's clip_grad_norm_ coefficient below 1)
+    assert harness.clipped_fraction([0.5, 1.0, 2.0, 0.999], 1.0) == 0.5
+    assert harness.clipped_fraction([0.5, 2.0], None) is None  # no clipping asked
+    assert harness.clipped_fraction([], 1.0) is None  # no zoff telemetry (DeepSpeed, GPU-only)
+
+
+def test_text_data_is_the_main_jobs_corpus_in_shuffled_windows():
+    from zoffbench.data import TextTokens
+
+    data = TextTokens(seq=64, batch=4)
+    data.setup("fit")
+    x, y = next(iter(data.train_dataloader()))
+    assert x.shape == y.shape == (4, 64)
+    assert torch.equal(x[:, 1:], y[:, :-1])  # next tokens
+    assert int(x.max()) < 128  # the standard library's source: ASCII bytes
+    assert b"def " in bytes(data.corpus.train_set.tokens[:100_000].tolist())
+
+
+@pytest.mark.slow
+def test_a_text_run_records_its_norms_and_clipped_fraction(tmp_path):
+    out = tmp_path / "bench.json"
+    command = [sys.executable, str(SCRIPTS / "bench" / "bench.py"), "--model", "tiny", "--runs", "zoff", "--accumulate",
+               "1", "--steps", "4", "--warmup", "1", "--batch", "4", "--data", "text", "--clip", "2.0", "--out",
+               str(out)]
+    subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["data"] == "text"
+    norms = run["grad_norms"]
+    assert len(norms) == 5  # warm-up included
+    assert run["clipped_fraction"] == sum(n + 1e-6 > 2.0 for n in norms[1:]) / 4

@@ -95,14 +95,14 @@ def run_child(args: argparse.Namespace, name: str, accumulate: int, steps: int, 
     """One run in a process of its own (CUDA, DeepSpeed's globals and the host memory start fresh each time): its
     result, or its entry with "error", "outcome" and the tail of its stderr."""
     run = bench_run(name, args.model, accumulate, args.batch, args.zoff_option, args.gpu_memory_gb, args.layers,
-                    args.activation_checkpointing, ratio, args.clip, args.seq, args.num_workers)
+                    args.activation_checkpointing, ratio, args.clip, args.seq, args.num_workers, args.data)
     refusal = unsupported(name, accumulate)
     if refusal:
         return run.entry(**RunFailure(refusal, "unsupported").fields())
     kwargs = dict(name=name, model_name=args.model, accumulate=accumulate, steps=steps, warmup=warmup,
                   batch=args.batch, devices=args.devices, zoff_option=args.zoff_option, ratio=ratio,
                   gpu_memory_gb=args.gpu_memory_gb, layers=args.layers, checkpointing=args.activation_checkpointing,
-                  clip=args.clip, seq=args.seq, num_workers=args.num_workers)
+                  clip=args.clip, seq=args.seq, num_workers=args.num_workers, data=args.data)
     child = run_function(run_one, kwargs, output="capture", timeout_s=args.run_timeout_s,
                          pss_interval_s=PSS_INTERVAL_S)
     pss = child.peak_tree_pss or None  # 0: the run ended before the first pass
@@ -163,7 +163,8 @@ def run_with_ratio_search(args: argparse.Namespace, name: str, accumulate: int) 
     if best is None:
         last = tries[-1] if tries else {"error": "no ratio tried", "outcome": "error"}
         run = bench_run(name, args.model, accumulate, args.batch, args.zoff_option, args.gpu_memory_gb, args.layers,
-                        args.activation_checkpointing, clip=args.clip, seq=args.seq, num_workers=args.num_workers)
+                        args.activation_checkpointing, clip=args.clip, seq=args.seq, num_workers=args.num_workers,
+                        data=args.data)
         failure = RunFailure(f"no ratio in {ratios} fits: {last['error']}", last["outcome"])
         return run.entry(ratio=None, ratio_tries=tries, **failure.fields())
     for ratio in ratios[ratios.index(best):]:
@@ -216,6 +217,9 @@ def main() -> None:
     parser.add_argument("--num-workers", type=int, default=None, metavar="N",
                         help="the training DataLoader's worker processes (default: 4 for "
                              f"{', '.join(LOADER_WORKERS)}, else 0: batches made in the training process)")
+    parser.add_argument("--data", choices=["random", "text"], default="random",
+                        help="random tokens (every step clips at 1.0) or text: the main job's corpus, byte tokens,"
+                             " whose gradient norm falls under the clip once training is past its warm-up")
     parser.add_argument("--devices", type=int, default=1, help="GPUs per run (ranks of one node)")
     parser.add_argument("--zoff-option", action="append", default=[], metavar="KEY=VALUE",
                         help="a ZoffStrategy option for the zoff runs, e.g. overlap=False (repeatable)")

@@ -44,3 +44,22 @@ class RandomTokens(pl.LightningDataModule):
             workers = dict(num_workers=self.num_workers, persistent_workers=True, prefetch_factor=2)
         return DataLoader(RandomTokenWindows(self.vocab_size, self.seq, self.length), batch_size=self.batch,
                           shuffle=False, drop_last=True, **workers)
+
+
+class TextTokens(pl.LightningDataModule):
+    """The main job's corpus (the standard library's source, byte tokens) in windows of `seq` in batches of `batch`,
+    shuffled: training on text whose loss falls, so the gradient's norm is that of a real run past its warm-up."""
+
+    def __init__(self, seq: int, batch: int, num_workers: int = 0) -> None:
+        super().__init__()
+        from lightning_zoff.examples.corpus import CorpusDataModule
+
+        self.corpus = CorpusDataModule(block_size=seq, batch_size=batch, num_workers=num_workers)
+
+    @override
+    def setup(self, stage: str) -> None:
+        self.corpus.setup(stage)
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        return self.corpus.train_dataloader()

@@ -13,7 +13,7 @@ from typing import Any
 
 import psutil
 
-from zoffbench.harness import StepMeasurement
+from zoffbench.harness import StepMeasurement, clipped_fraction
 from zoffbench.host_floor import host_floor
 from zoffbench.recorders import expandable_segments_in_use
 
@@ -68,6 +68,7 @@ def run_fabric(run: Any, family: type, model_kwargs: dict[str, Any], adamw: dict
     measured = step_s[warmup:]
     # zoff's phase times arrive a step late on CUDA (StepTimer): a step may lack them
     keys = {key for t in telemetry[warmup:] for key in t}
+    norms = [t["zoff/grad_norm"] for t in telemetry if "zoff/grad_norm" in t]
     zoff = {key: statistics.median(t[key] for t in telemetry[warmup:] if key in t) for key in sorted(keys)}
     step = statistics.median(measured)
     tokens_per_s = devices * batch * accumulate * block_size / step
@@ -86,6 +87,7 @@ def run_fabric(run: Any, family: type, model_kwargs: dict[str, Any], adamw: dict
         peak_gpu_reserved_gb=torch.cuda.max_memory_reserved() / 1e9 if torch.cuda.is_available() else 0.0,
         gpu_alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0,
         gpu_expandable_segments=expandable_segments_in_use(),
+        clipped_fraction=clipped_fraction(norms[warmup:], clip), grad_norms=norms,
         host_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
         setup_s=first_step_at - psutil.Process().create_time(), reported_at=time.time(),
         host_floor=host_floor(fabric.strategy, zoff, step), params=params, steps=step_s,

@@ -388,6 +388,7 @@ class BenchRun:
     exact: bool  # AdamW's update of every parameter at every step in fp32 state
     gradient_clip_val: float | None  # the Trainer's (norm); None: not clipped
     ratio: float | None = None  # deepspeed_zero3_offload_ratio's offload_optimizer.ratio; no key elsewhere
+    data: str = "random"  # "random" tokens (every step clips) or "text", the main job's corpus (clipping as it comes)
 
     def entry(self, **fields: Any) -> dict[str, Any]:
         return {**_fields(self, optional=("ratio",)), **fields}
@@ -428,10 +429,21 @@ class StepMeasurement:
     deepspeed_config: dict[str, Any] | None = None  # the dict DeepSpeed got, Lightning's additions included
     host_floor: dict[str, float] | None = None  # zoff: the host update's bandwidth against the machine's (`host_floor`)
     gpu_expandable_segments: bool | None = None  # the CUDA allocator grew its segments in place (zoff asks it to)
+    # of the measured steps, those whose gradient norm was clipped (zoff's telemetry; None without it or clipping):
+    # a clipped step's host update waits for the norm, an unclipped one may have run during backward
+    clipped_fraction: float | None = None
+    grad_norms: list[float] | None = None  # each step's (warm-up included), the trace a clipping study reads
 
     def fields(self) -> dict[str, Any]:
         return _fields(self, optional=("inexact_because", "deepspeed_config", "host_floor"))
 
+
+
+def clipped_fraction(norms: list[float], clip: float | None) -> float | None:
+    """The share of steps whose gradient norm `clip` cut (as zoff clips: norm + 1e-6 > clip)."""
+    if not norms or not clip:
+        return None
+    return sum(norm + 1e-6 > clip for norm in norms) / len(norms)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import psutil
 
 from zoffbench.deepspeed_runs import DEEPSPEED_RUNS, ZERO_STAGE, build_strategy, optimizer_factory
 from zoffbench.fabric_run import run_fabric
-from zoffbench.harness import BenchRun, StepMeasurement, parse_options
+from zoffbench.harness import BenchRun, StepMeasurement, clipped_fraction, parse_options
 from zoffbench.host_floor import host_floor
 from zoffbench.model_shapes import model_shape
 
@@ -77,12 +77,12 @@ def model_spec(model_name: str, layers: int | None = None, seq: int | None = Non
 def bench_run(name: str, model_name: str, accumulate: int, batch: int, zoff_option: list[str],
               gpu_memory_gb: float | None, layers: int | None, checkpointing: bool,
               ratio: float | None = None, clip: float | None = 1.0, seq: int | None = None,
-              num_workers: int = 0) -> BenchRun:
+              num_workers: int = 0, data: str = "random") -> BenchRun:
     exact = inexact_because(name, parse_options(zoff_option)) is None
     spec = model_spec(model_name, layers, seq)
     return BenchRun(name=name, model=model_name, layers=spec.get("n_layer"), activation_checkpointing=checkpointing,
                     accumulate=accumulate, batch=batch, seq=spec["block_size"], num_workers=num_workers,
-                    gpu_memory_gb=gpu_memory_gb, exact=exact, gradient_clip_val=clip, ratio=ratio)
+                    gpu_memory_gb=gpu_memory_gb, exact=exact, gradient_clip_val=clip, ratio=ratio, data=data)
 
 
 def family_of(model_name: str, layers: int | None = None, seq: int | None = None) -> tuple[type, dict[str, Any]]:
@@ -269,14 +269,14 @@ def cap_gpu_memory(gpu_memory_gb: float | None) -> None:
 def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int, batch: int, devices: int,
             zoff_option: list[str], ratio: float | None = None, gpu_memory_gb: float | None = None,
             layers: int | None = None, checkpointing: bool = False, clip: float | None = 1.0, seq: int | None = None,
-            num_workers: int = 0) -> dict:
-    """Train run `name` for `warmup` + `steps` optimizer steps on random tokens (`num_workers` loader processes) and
-    measure it: this rank's entry of bench.py's JSON."""
+            num_workers: int = 0, data: str = "random") -> dict:
+    """Train run `name` for `warmup` + `steps` optimizer steps on `data` (random tokens or the main job's text, through
+    `num_workers` loader processes) and measure it: this rank's entry of bench.py's JSON."""
     import lightning.pytorch as pl
     import torch
 
     import lightning_zoff  # noqa: F401
-    from zoffbench.data import RandomTokens
+    from zoffbench.data import RandomTokens, TextTokens
     from zoffbench.recorders import WindowTimer, expandable_segments_in_use
 
     cap_gpu_memory(gpu_memory_gb)
@@ -287,13 +287,15 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
 
         cfg = {**cfg, "vocab_size": hf_config(cfg["hf"]).vocab_size}
     pl.seed_everything(0)
-    data = RandomTokens(vocab_size=cfg["vocab_size"], seq=cfg["block_size"], batch=batch,
-                        length=devices * (batch * accumulate * (steps + warmup) + batch), num_workers=num_workers)
+    data_module = (TextTokens(seq=cfg["block_size"], batch=batch, num_workers=num_workers) if data == "text" else
+                   RandomTokens(vocab_size=cfg["vocab_size"], seq=cfg["block_size"], batch=batch,
+                                length=devices * (batch * accumulate * (steps + warmup) + batch),
+                                num_workers=num_workers))
     run = bench_run(name, model_name, accumulate, batch, zoff_option, gpu_memory_gb, layers, checkpointing, ratio,
-                    clip, seq, num_workers)
+                    clip, seq, num_workers, data)
     if name == FABRIC_RUN:
         family, model_kwargs, options = fabric_parts(model_name, zoff_options, layers, checkpointing, seq)
-        return run_fabric(run, family, model_kwargs, ADAMW, options, data, accumulate=accumulate, steps=steps,
+        return run_fabric(run, family, model_kwargs, ADAMW, options, data_module, accumulate=accumulate, steps=steps,
                           warmup=warmup, batch=batch, devices=devices, block_size=cfg["block_size"],
                           zoff_options=zoff_options, inexact_because=inexact_because(name, zoff_options), clip=clip)
     build_module, strategy, precision = build_run(name, model_name, zoff_options, accumulate, ratio, layers,
@@ -309,9 +311,10 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
                          enable_model_summary=False, limit_val_batches=0)
     module = build_module(trainer)
     params = sum(p.numel() for p in module.parameters())
-    trainer.fit(module, datamodule=data)
+    trainer.fit(module, datamodule=data_module)
     measured = slice(warmup, None)
     step_s = statistics.median(timer.steps[measured])
+    norms = [t["zoff/grad_norm"] for t in timer.zoff if "zoff/grad_norm" in t]
     tokens_per_s = devices * batch * accumulate * cfg["block_size"] / step_s  # all ranks together
     # zoff's phase times arrive a step late on CUDA (StepTimer): a step may lack them
     zoff = {key: statistics.median(t[key] for t in timer.zoff[measured] if key in t) for key in timer.zoff[-1]}
@@ -340,6 +343,7 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
         peak_gpu_reserved_gb=torch.cuda.max_memory_reserved() / 1e9 if torch.cuda.is_available() else 0.0,
         gpu_alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0,
         gpu_expandable_segments=expandable_segments_in_use(),
+        clipped_fraction=clipped_fraction(norms[measured], clip), grad_norms=norms,
         host_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
         setup_s=(timer.first_step_at or time.time()) - psutil.Process().create_time(), reported_at=time.time(),
         host_floor=host_floor(trainer.strategy, zoff, step_s),
