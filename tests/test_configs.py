@@ -84,7 +84,8 @@ def test_ddp_and_deepspeed_strategies():
 
 MODEL_SIZES = [("gpt_125m", 123e6, 126e6), ("gpt_1b", 1.33e9, 1.35e9), ("gpt_7b", 6.6e9, 6.8e9),
                ("gpt_13b", 12.9e9, 12.95e9), ("gpt_30b", 32.3e9, 32.35e9), ("hf_qwen3_4b", 4.02e9, 4.025e9),
-               ("hf_llama3_8b", 8.03e9, 8.031e9), ("hf_qwen3_14b", 14.768e9, 14.769e9)]
+               ("hf_llama3_8b", 8.03e9, 8.031e9), ("hf_qwen3_14b", 14.768e9, 14.769e9),
+               ("hf_qwen25_7b", 7.615e9, 7.616e9)]
 
 
 def test_every_model_option_is_tested():
@@ -129,7 +130,8 @@ def test_the_tiny_models_build_and_the_large_models_have_their_sizes():
             2560, 36, 32, 8, 9728, 151936, True)
     assert qwen3_4b.model.lm_head.weight is qwen3_4b.model.model.embed_tokens.weight
     for name, shape in [("hf_llama3_8b", (4096, 32, 32, 8, 14336, 128256, False, 500_000.0, 4096)),
-                        ("hf_qwen3_14b", (5120, 40, 40, 8, 17408, 151936, False, 1_000_000.0, 4096))]:
+                        ("hf_qwen3_14b", (5120, 40, 40, 8, 17408, 151936, False, 1_000_000.0, 4096)),
+                        ("hf_qwen25_7b", (3584, 28, 28, 4, 18944, 152064, False, 1_000_000.0, 1024))]:
         with torch.device("meta"):
             module = instantiate(compose_train(f"model={name}").model)
         config = module.model.config
@@ -140,7 +142,7 @@ def test_the_tiny_models_build_and_the_large_models_have_their_sizes():
 
 def test_the_largest_models_are_built_on_the_meta_device(train_script):
     on_meta = {name for group, name in OPTIONS if group == "model" and compose_train(f"model={name}").empty_init}
-    assert on_meta == {"gpt_7b", "gpt_13b", "gpt_30b", "hf_qwen3_4b", "hf_llama3_8b", "hf_qwen3_14b"}
+    assert on_meta == {"gpt_7b", "gpt_13b", "gpt_30b", "hf_qwen3_4b", "hf_llama3_8b", "hf_qwen3_14b", "hf_qwen25_7b"}
     assert not compose_train("model=gpt_7b", "empty_init=false").empty_init  # the command line still wins
     train_script.check_empty_init(ZoffStrategy(), True)
     train_script.check_empty_init(DDPStrategy(), False)
@@ -159,6 +161,16 @@ def test_data_follows_the_model():
     assert instantiate(compose_train("model=hf_qwen3_tiny").data).block_size == 128
     synthetic = instantiate(compose_train("data=synthetic", "model=hf_qwen3_4b").data)
     assert (synthetic.vocab_size, synthetic.block_size) == (151936, 512)
+
+
+def test_the_qwen25_7b_option_trains_at_megatrains_configuration():
+    # MegaTrain's Qwen2.5-7B run (seq 1024, 4 loader workers, recompute) as the bench's megatrain_qwen25_7b preset
+    cfg = compose_train("model=hf_qwen25_7b")
+    data = instantiate(cfg.data)
+    assert (data.num_workers, data.batch_size, data.block_size, cfg.trainer.accumulate_grad_batches) == (4, 8, 1024, 18)
+    policy = instantiate(cfg.strategy).config.activation_checkpointing_policy
+    assert {c.__name__ for c in policy} == {"Qwen2DecoderLayer"}
+    assert compose_train("model=hf_qwen25_7b", "trainer.accumulate_grad_batches=1").trainer.accumulate_grad_batches == 1
 
 
 @pytest.mark.parametrize("data", ["corpus", "synthetic"])

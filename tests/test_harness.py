@@ -146,7 +146,9 @@ def test_model_shapes_come_from_conf_model():
     assert model_shapes.conf_model("gpt_125m")["tie_weights"] is True
     assert model_shapes.model_shape("llama3_8b") == {"hf": "llama3_8b", "block_size": 4096}
     assert model_shapes.model_shape("qwen3_14b") == {"hf": "qwen3_14b", "block_size": 4096}
+    assert model_shapes.model_shape("qwen25_7b") == {"hf": "qwen25_7b", "block_size": 1024}
     assert set(model_shapes.MODEL_NAMES) == {"gpt1b", "gpt7b", "gpt13b", "gpt30b", "qwen3_4b", "llama3_8b", "qwen3_14b",
+                                             "qwen25_7b",
                                              "qwen3_tiny", "tiny", "small"}
 
 

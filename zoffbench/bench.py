@@ -5,13 +5,21 @@ The commands: scripts/bench/bench.py, its entry point.
 
 Without --runs: gpu_only, zoff, DeepSpeed's four configurations (zoffbench/deepspeed_runs.py: ZeRO-3 and ZeRO-2
 with the optimizer on the CPU, ZeRO-3 with part of the optimizer on the GPU (`offload_optimizer.ratio`), ZeRO-2 +
-ZenFlow) and fsdp2_cpu_offload (FSDP2's own CPUOffloadPolicy); --runs takes the zoff variants too.
+ZenFlow) and fsdp2_cpu_offload (FSDP2's own CPUOffloadPolicy); --runs takes the zoff variants too, fsdp_cpu_offload
+(Lightning's FSDPStrategy(cpu_offload=True), GPU only) and torchao_cpu_offload (torchao's CPUOffloadOptimizer, its
+own plain loop, never clipped: zoffbench/torchao_run.py). A run that cannot run here (torchao missing, no GPU, ZenFlow
+at an accumulation it refuses, clipping asked of torchao) is an entry with outcome "unsupported" and the reason.
+
+`--config NAME` takes a peer's headline configuration (zoffbench/configs.py: `megatrain_qwen25_7b`, MegaTrain's
+Qwen2.5-7B at seq 1024, batch 8 x 18, 4 loader workers, every block recomputed) as the defaults of the arguments it
+names; the JSON records it under "config".
 
 zoff runs build the model on the meta device (`trainer.init_module(empty_init=True)`: each rank initialises only its
 own units, so the host never holds the whole fp32 model next to the masters); DeepSpeed's ZeRO-3 runs build it in
 `configure_model` under `deepspeed.zero.Init` (partitioned as it is created), its ZeRO-2 runs as usual (ZeRO-2 keeps
-the whole 16-bit model on every GPU). `--zoff-option key=value` (repeatable) sets ZoffStrategy options of every zoff
-run, over the variant's own.
+the whole 16-bit model on every GPU); the FSDP runs on the CPU, where their CPU offload keeps the parameters
+(zoffbench/fsdp_runs.py). `--activation-checkpointing` recomputes every run's blocks (zoffbench/recompute.py).
+`--zoff-option key=value` (repeatable) sets ZoffStrategy options of every zoff run, over the variant's own.
 
 deepspeed_zero3_offload_ratio searches `--ratios` (0.1, 0.2, ..., 1.0) for the smallest fraction of the optimizer on
 the CPU that fits (the least host traffic, so the fastest): each try trains 2 steps in its own process; a larger ratio
@@ -22,7 +30,8 @@ the whole measurement. One value in --ratios skips the search.
 
 Every run trains on random token ids of the model's vocabulary, `--batch` x `--seq` (default: the model's block_size)
 a batch, from a torch DataLoader with `--num-workers` loader processes (persistent; default 4 for llama3_8b and
-qwen3_14b, the users' models at seq 4096, else 0: batches made in the training process; zoffbench/data.py).
+qwen3_14b, the users' models at seq 4096, and qwen25_7b, MegaTrain's, else 0: batches made in the training process;
+zoffbench/data.py).
 
 `--gpu-memory-gb N` emulates a smaller GPU: each run's process caps torch's allocator at N GiB
 (`torch.cuda.set_per_process_memory_fraction`) before anything is built. The CUDA context, NCCL's and DeepSpeed's own
@@ -30,7 +39,8 @@ buffers outside torch's allocator are not counted, and `torch.cuda.mem_get_info`
 
 Prints a table and writes bench/results/<date>_<machine>_bench_<model>.json (results.write_result; bench/README.md
 collects them) and the same name with .png (zoffbench/plot.py: each run's step split into forward, backward and exposed
-optimizer time; peak GPU and host memory): {"date", "machine", "command", "gpu_memory_gb", "runs": [{"name", "model",
+optimizer time; peak GPU and host memory): {"date", "machine", "command", "config" (--config's preset, or null),
+"gpu_memory_gb", "runs": [{"name", "model",
 "accumulate", "batch", "seq", "num_workers", "gpu_memory_gb" (null: uncapped), "exact" (false: not AdamW's update of
 every parameter at every step, e.g. ZenFlow, bf16 moments), "step_s_median", "step_s_mean", "tokens_per_s",
 "forward_s", "backward_s", "exposed_optimizer_s", "peak_gpu_gb", "host_gb", "host_tree_peak_gb",
@@ -63,14 +73,16 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from zoffbench.deepspeed_runs import DEEPSPEED_RUNS, RATIOS, unsupported
+from zoffbench import configs
+from zoffbench.deepspeed_runs import DEEPSPEED_RUNS, RATIOS
 from zoffbench.harness import RunFailure, outcome_of, run_function
 from zoffbench.model_shapes import MODEL_NAMES
 from zoffbench.results import describe, machine, result_path, write_result
-from zoffbench.runs import DEFAULT_RUNS, RUNS, bench_run, run_one
+from zoffbench.runs import DEFAULT_RUNS, RUNS, bench_run, run_one, unsupported_here
 
-# the models a user's job feeds through loader processes (seq 4096): --num-workers' default; 0 for the others
-LOADER_WORKERS = {"llama3_8b": 4, "qwen3_14b": 4}
+# the models a user's job feeds through loader processes (seq 4096; MegaTrain's Qwen2.5-7B at 1024): --num-workers'
+# default; 0 for the others
+LOADER_WORKERS = {"llama3_8b": 4, "qwen3_14b": 4, "qwen25_7b": 4}
 # a PSS pass walks the page tables of every process of the tree (about 10 ms per resident GB each), in the bench's
 # own process: seconds apart, and each entry's "pss_read_s" says how long the longest took
 PSS_INTERVAL_S = 2.0
@@ -96,14 +108,15 @@ def run_child(args: argparse.Namespace, name: str, accumulate: int, steps: int, 
     result, or its entry with "error", "outcome" and the tail of its stderr."""
     run = bench_run(name, args.model, accumulate, args.batch, args.zoff_option, args.gpu_memory_gb, args.layers,
                     args.activation_checkpointing, ratio, args.clip, args.seq, args.num_workers, args.data)
-    refusal = unsupported(name, accumulate)
+    refusal = unsupported_here(name, accumulate, args.clip_asked, machine()["gpus"])
     if refusal:
         return run.entry(**RunFailure(refusal, "unsupported").fields())
     kwargs = dict(name=name, model_name=args.model, accumulate=accumulate, steps=steps, warmup=warmup,
                   batch=args.batch, devices=args.devices, zoff_option=args.zoff_option, ratio=ratio,
                   gpu_memory_gb=args.gpu_memory_gb, layers=args.layers, checkpointing=args.activation_checkpointing,
                   clip=args.clip, seq=args.seq, num_workers=args.num_workers, data=args.data)
-    child = run_function(run_one, kwargs, output="capture", timeout_s=args.run_timeout_s,
+    limits = args.run_timeout_s
+    child = run_function(run_one, kwargs, output="capture", timeout_s=limits.get(name, limits.get(None)),
                          pss_interval_s=PSS_INTERVAL_S)
     pss = child.peak_tree_pss or None  # 0: the run ended before the first pass
     host = {"host_tree_peak_gb": child.peak_tree_rss / 1e9, "host_tree_peak_pss_gb": pss / 1e9 if pss else None,
@@ -205,8 +218,20 @@ def plot(record: dict, out: Path) -> None:
         print(f"wrote {out.with_suffix('.png')}")
 
 
-def main() -> None:
+def run_limit(value: str) -> tuple[str | None, float]:
+    """--run-timeout-s's `SECONDS` (every run) or `RUN=SECONDS` (that run's own)."""
+    name, _, seconds = value.rpartition("=")
+    if name and name not in RUNS:
+        raise argparse.ArgumentTypeError(f"{name!r} is no run; runs: {', '.join(RUNS)}")
+    return name or None, float(seconds)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """bench.py's arguments: a preset's (--config) where the command line gives none of its own."""
     parser = argparse.ArgumentParser()
+    parser.add_argument("--config", choices=sorted(configs.CONFIGS), default=None,
+                        help="a peer's headline configuration: a preset of the arguments below (zoffbench/configs.py);"
+                             " an argument given as well wins")
     parser.add_argument("--model", choices=MODEL_NAMES, default="gpt1b")
     parser.add_argument("--runs", nargs="+", choices=RUNS, default=list(DEFAULT_RUNS))  # DeepSpeed: its wheel
     parser.add_argument("--accumulate", type=int, nargs="+", default=[1, 4])
@@ -229,22 +254,39 @@ def main() -> None:
                         help="offload_optimizer.ratio values deepspeed_zero3_offload_ratio searches (one: no search)")
     parser.add_argument("--layers", type=int, default=None, help="the GPT's blocks, instead of the model's own")
     parser.add_argument("--activation-checkpointing", action="store_true",
-                        help="zoff runs recompute each block's activations in backward")
-    parser.add_argument("--clip", type=lambda v: None if v in ("none", "0") else float(v), default=1.0,
-                        metavar="NORM", help="the Trainer's gradient_clip_val (default 1.0); 'none': no clipping")
-    parser.add_argument("--run-timeout-s", type=float, default=None,
-                        help="kill a run (its whole process tree) after this many seconds and record it as timed out")
+                        help="every run recomputes each block's activations in backward")
+    parser.add_argument("--clip", type=lambda v: "none" if v in ("none", "0") else float(v), default=None,
+                        metavar="NORM",
+                        help="the Trainer's gradient_clip_val (default 1.0); 'none': no clipping (torchao's run never"
+                             " clips, and is refused where --clip NORM is given)")
+    parser.add_argument("--run-timeout-s", type=run_limit, nargs="+", default=[], metavar="[RUN=]SECONDS",
+                        help="kill a run (its whole process tree) after this many seconds and record it as timed out;"
+                             " RUN=SECONDS for that run alone")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None, metavar="JSON", help="only draw this JSON's PNG again")
-    args = parser.parse_args()
+    preset = parser.parse_known_args(argv)[0].config
+    if preset:
+        parser.set_defaults(**configs.arguments(preset))
+    args = parser.parse_args(argv)
+    args.run_timeout_s = dict(args.run_timeout_s)  # run name (None: every other run) -> seconds
+    args.clip_asked = isinstance(args.clip, float)  # a norm given on the command line, not the default's
+    if args.clip is None:
+        args.clip = 1.0
+    elif args.clip == "none":
+        args.clip = None
     if args.num_workers is None:
         args.num_workers = LOADER_WORKERS.get(args.model, 0)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.plot:
         plot(json.loads(args.plot.read_text()), args.plot)
         return
     out = args.out or result_path(f"bench_{args.model}")  # once: every write goes to the same file
     runs: list[dict] = []
-    record = {"gpu_memory_gb": args.gpu_memory_gb, "runs": runs}
+    record = {"config": configs.record(args.config), "gpu_memory_gb": args.gpu_memory_gb, "runs": runs}
     for accumulate in args.accumulate:
         for name in args.runs:
             if name == "deepspeed_zero3_offload_ratio":

@@ -17,6 +17,7 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_4b": ("hf_qwen3_4b", {}),
     "llama3_8b": ("hf_llama3_8b", {}),  # seq 4096, as the option's
     "qwen3_14b": ("hf_qwen3_14b", {}),  # seq 4096, as the option's
+    "qwen25_7b": ("hf_qwen25_7b", {}),  # seq 1024, MegaTrain's (the option's)
     "qwen3_tiny": ("hf_qwen3_tiny", {"block_size": 64}),
 }
 # sizes for a quick run on the CPU, which no conf/model option has

@@ -16,12 +16,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import psutil
+from typing_extensions import override
 
-from zoffbench.deepspeed_runs import DEEPSPEED_RUNS, ZERO_STAGE, build_strategy, optimizer_factory
+from zoffbench import torchao_run
+from zoffbench.deepspeed_runs import DEEPSPEED_RUNS, ZERO_STAGE, build_strategy, optimizer_factory, unsupported
 from zoffbench.fabric_run import run_fabric
+from zoffbench.fsdp_runs import (
+    FSDP2_RUN,
+    FSDP_RUN,
+    ClippedByFSDP,
+    ShardedByFSDP2WithCPUOffload,
+    fsdp1_strategy,
+    host_params_strategy,
+)
 from zoffbench.harness import BenchRun, StepMeasurement, clipped_fraction, parse_options
 from zoffbench.host_floor import host_floor
 from zoffbench.model_shapes import model_shape
+from zoffbench.recompute import block_class, recompute_blocks
 
 # zoff variants: where the optimizer state lives, the synchronous engine, where the sum of an accumulation window
 # lives, the kernels' threads, bf16 moments
@@ -41,7 +52,7 @@ ZOFF_VARIANTS: dict[str, dict[str, Any]] = {
 }
 # "zoff" trained in a plain Fabric loop (fabric_run.py) instead of the Trainer
 FABRIC_RUN = "zoff_fabric"
-DEFAULT_RUNS = ("gpu_only", "zoff", *DEEPSPEED_RUNS, "fsdp2_cpu_offload")
+DEFAULT_RUNS = ("gpu_only", "zoff", *DEEPSPEED_RUNS, FSDP2_RUN)
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
@@ -49,10 +60,13 @@ def is_zoff(name: str) -> bool:
     return name in ZOFF_VARIANTS or name in ("zoff_no_offload", FABRIC_RUN)
 
 
-def inexact_because(name: str, zoff_options: dict) -> str | None:
-    """Why run `name` does not compute AdamW's update of every parameter at every step in fp32 state, or None."""
+def inexact_because(name: str, zoff_options: dict, clip: float | None = None) -> str | None:
+    """Why run `name` does not compute AdamW's update of every parameter at every step in fp32 state, or None; `clip`:
+    the norm the call clips the other runs at (torchao's run is not clipped)."""
     if name == "deepspeed_zero2_zenflow":
         return "ZenFlow updates the top gradient columns each step, the rest every update_interval steps"
+    if name == torchao_run.NAME and clip is not None:
+        return f"{torchao_run.UNCLIPPED}; the other runs clip at {clip}"
     options = {**ZOFF_VARIANTS.get(name, {}), **zoff_options} if is_zoff(name) else {}
     if options.get("optimizer_state_dtype") == "bf16":
         return "moments stored in bf16"
@@ -78,11 +92,27 @@ def bench_run(name: str, model_name: str, accumulate: int, batch: int, zoff_opti
               gpu_memory_gb: float | None, layers: int | None, checkpointing: bool,
               ratio: float | None = None, clip: float | None = 1.0, seq: int | None = None,
               num_workers: int = 0, data: str = "random") -> BenchRun:
-    exact = inexact_because(name, parse_options(zoff_option)) is None
+    exact = inexact_because(name, parse_options(zoff_option), clip) is None
     spec = model_spec(model_name, layers, seq)
     return BenchRun(name=name, model=model_name, layers=spec.get("n_layer"), activation_checkpointing=checkpointing,
                     accumulate=accumulate, batch=batch, seq=spec["block_size"], num_workers=num_workers,
-                    gpu_memory_gb=gpu_memory_gb, exact=exact, gradient_clip_val=clip, ratio=ratio, data=data)
+                    gpu_memory_gb=gpu_memory_gb, exact=exact, gradient_clip_val=run_clip(name, clip), ratio=ratio,
+                    data=data)
+
+
+def run_clip(name: str, clip: float | None) -> float | None:
+    """The norm run `name` clips at: the call's, but none for torchao's run."""
+    return None if name == torchao_run.NAME else clip
+
+
+def unsupported_here(name: str, accumulate: int, clip_asked: bool, gpus: int) -> str | None:
+    """Why run `name` cannot run in this call on this machine (`gpus` visible), or None; `clip_asked`: --clip NORM
+    was given on the command line."""
+    if name == FSDP_RUN and gpus == 0:
+        return "Lightning's FSDPStrategy needs a GPU accelerator"
+    if name == torchao_run.NAME:
+        return torchao_run.refusal(clip_asked, gpus)
+    return unsupported(name, accumulate)
 
 
 def family_of(model_name: str, layers: int | None = None, seq: int | None = None) -> tuple[type, dict[str, Any]]:
@@ -97,16 +127,18 @@ def family_of(model_name: str, layers: int | None = None, seq: int | None = None
     return GPTModule, spec
 
 
+def model_block(model_name: str, layers: int | None = None, seq: int | None = None) -> type:
+    """The class of the model's blocks: what --activation-checkpointing recomputes, Lightning FSDP's unit."""
+    family, kwargs = family_of(model_name, layers, seq)
+    return block_class(family, tuple(sorted(kwargs.items())))
+
+
 def zoff_run_options(name: str, zoff_options: dict, model_name: str, layers: int | None,
                      checkpointing: bool) -> dict[str, Any]:
     """The zoff options of run `name`: its variant's, then --zoff-option's, and with `checkpointing` the blocks'."""
     options = {**ZOFF_VARIANTS.get(name, {}), **zoff_options, "offload": name != "zoff_no_offload"}
     if checkpointing:
-        if "hf" in model_spec(model_name, layers):
-            raise SystemExit("--activation-checkpointing: GPT shapes only")
-        from lightning_zoff.examples.gpt import Block
-
-        options["activation_checkpointing_policy"] = {Block}
+        options["activation_checkpointing_policy"] = {model_block(model_name, layers)}
     return options
 
 
@@ -136,6 +168,10 @@ class RunSetting:
     def family(self) -> tuple[type, dict[str, Any]]:
         return family_of(self.model_name, self.layers, self.seq)
 
+    def recomputed(self) -> type | None:
+        """The block class recomputed in backward (--activation-checkpointing), or None."""
+        return model_block(self.model_name, self.layers, self.seq) if self.checkpointing else None
+
 
 @dataclass(frozen=True)
 class RunSpec:
@@ -151,25 +187,13 @@ class BuiltUnderZeroInit:
     """Mixed into a run's LightningModule class: the model built again in `configure_model`, under DeepSpeed's
     zero.Init, so that each parameter is partitioned as it is created."""
 
+    recomputed: type | None = None  # the block class to recompute, set by deepspeed_module
+
+    @override
     def configure_model(self) -> None:
         if any(p.is_meta for p in self.model.parameters()):
             self.model = type(self.model)(self.model.config)
-
-
-class ShardedByFSDP2WithCPUOffload:
-    """Mixed into a run's LightningModule class: FSDP2 over each block and the root, with its own CPUOffloadPolicy."""
-
-    def configure_model(self) -> None:
-        import torch
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-        from lightning_zoff.units import repeated_blocks
-
-        policy = dict(mesh=self.device_mesh["data_parallel"], offload_policy=CPUOffloadPolicy(),
-                      mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
-        for block in repeated_blocks(self.model):
-            fully_shard(block, **policy)
-        fully_shard(self.model, **policy)
+            recompute_blocks(self, self.recomputed)
 
 
 def with_mixin(mixin: type, family: type) -> type:
@@ -180,7 +204,9 @@ def with_mixin(mixin: type, family: type) -> type:
 def plain_module(run: RunSetting, trainer: Any) -> Any:
     # gpu_only uses torch's default (foreach) AdamW on the GPU: Lightning refuses clipping with the fused one
     family, kwargs = run.family()
-    return family(**kwargs, **ADAMW)
+    module = family(**kwargs, **ADAMW)
+    recompute_blocks(module, run.recomputed())
+    return module
 
 
 def deepspeed_strategy(run: RunSetting) -> Any:
@@ -193,23 +219,30 @@ def deepspeed_module(run: RunSetting, trainer: Any) -> Any:
     family, kwargs = run.family()
     optimizer = optimizer_factory(run.name, ADAMW)
     if ZERO_STAGE[run.name] == 2:  # ZeRO-2 keeps the whole 16-bit model on every GPU: built as usual
-        return family(**kwargs, optimizer=optimizer)
+        module = family(**kwargs, optimizer=optimizer)
+        recompute_blocks(module, run.recomputed())
+        return module
     with torch.device("meta"):  # shapes only: configure_model builds the model for real
-        return with_mixin(BuiltUnderZeroInit, family)(**kwargs, optimizer=optimizer)
+        module = with_mixin(BuiltUnderZeroInit, family)(**kwargs, optimizer=optimizer)
+    module.recomputed = run.recomputed()
+    return module
 
 
-def fsdp2_strategy(run: RunSetting) -> Any:
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
-    return ModelParallelStrategy()
-
-
-def fsdp2_module(run: RunSetting, trainer: Any) -> Any:
+def host_module(run: RunSetting, mixin: type) -> Any:
+    """The FSDP runs' module: built on the CPU, where CPU offload keeps the parameters, with `mixin`'s methods and
+    torch's fused AdamW (which steps the host's parameters on the CPU)."""
     import torch
 
     family, kwargs = run.family()
     optimizer = functools.partial(torch.optim.AdamW, **ADAMW, fused=True)
-    return with_mixin(ShardedByFSDP2WithCPUOffload, family)(**kwargs, optimizer=optimizer)
+    with torch.device("cpu"):
+        return with_mixin(mixin, family)(**kwargs, optimizer=optimizer)
+
+
+def fsdp2_module(run: RunSetting, trainer: Any) -> Any:
+    module = host_module(run, ShardedByFSDP2WithCPUOffload)
+    recompute_blocks(module, run.recomputed())  # before sharding: each wrapped block becomes the unit
+    return module
 
 
 def zoff_strategy(run: RunSetting) -> Any:
@@ -224,14 +257,19 @@ def zoff_module(run: RunSetting, trainer: Any) -> Any:
         return family(**kwargs, **ADAMW)
 
 
-# Every run bench.py builds with the Trainer (FABRIC_RUN has its own loop: fabric_run.py). The same model and AdamW
-# hyperparameters (lr 1e-4, betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on matrices) everywhere. DeepSpeed's ZeRO-3
-# runs build the model under zero.Init, its ZeRO-2 runs as usual; FSDP2 casts to bf16 itself (MixedPrecisionPolicy),
-# so "32-true" keeps Lightning's plugin out of its way; zoff builds on the meta device, each rank its own units.
+# Every run bench.py builds with the Trainer (FABRIC_RUN and torchao's run have their own loops: fabric_run.py,
+# torchao_run.py). The same model and AdamW hyperparameters (lr 1e-4, betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on
+# matrices) everywhere. DeepSpeed's ZeRO-3 runs build the model under zero.Init, its ZeRO-2 runs as usual; the FSDP
+# runs build it on the CPU, where their CPU offload keeps it (fsdp_runs.py); FSDP2 casts to bf16 itself
+# (MixedPrecisionPolicy), so "32-true" keeps Lightning's plugin out of its way; zoff builds on the meta device, each
+# rank its own units.
 RUN_SPECS: dict[str, RunSpec] = {
     "gpu_only": RunSpec(strategy=lambda run: "auto", module=plain_module),
     **{name: RunSpec(strategy=deepspeed_strategy, module=deepspeed_module) for name in DEEPSPEED_RUNS},
-    "fsdp2_cpu_offload": RunSpec(strategy=fsdp2_strategy, module=fsdp2_module, precision="32-true"),
+    FSDP2_RUN: RunSpec(strategy=lambda run: host_params_strategy(), module=fsdp2_module, precision="32-true"),
+    FSDP_RUN: RunSpec(strategy=lambda run: fsdp1_strategy(model_block(run.model_name, run.layers, run.seq),
+                                                          run.checkpointing),
+                      module=lambda run, trainer: host_module(run, ClippedByFSDP)),
     **{name: RunSpec(strategy=zoff_strategy, module=zoff_module) for name in (*ZOFF_VARIANTS, "zoff_no_offload")},
 }
 
@@ -240,14 +278,14 @@ def build_run(name: str, model_name: str, zoff_options: dict, accumulate: int = 
               layers: int | None = None, checkpointing: bool = False,
               seq: int | None = None) -> tuple[Callable[[Any], Any], Any, str]:
     """(module factory taking the Trainer, strategy, precision) of run `name` (`RUN_SPECS`). With `checkpointing`,
-    zoff recomputes each block's activations in backward (its activation_checkpointing_policy); the other runs are
-    built as they are (their limit at this size is host memory, which activations do not touch)."""
+    every run recomputes each block's activations in backward: zoff and Lightning's FSDP by their own option, the
+    others by torch's checkpoint wrapper (recompute.py)."""
     run = RunSetting(name, model_name, zoff_options, accumulate, ratio, layers, checkpointing, seq)
     spec = RUN_SPECS[name]
     return functools.partial(spec.module, run), spec.strategy(run), spec.precision
 
 
-RUNS = (*RUN_SPECS, FABRIC_RUN)
+RUNS = (*RUN_SPECS, FABRIC_RUN, torchao_run.NAME)
 
 
 def cap_gpu_memory(gpu_memory_gb: float | None) -> None:
@@ -293,6 +331,13 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
                                 num_workers=num_workers))
     run = bench_run(name, model_name, accumulate, batch, zoff_option, gpu_memory_gb, layers, checkpointing, ratio,
                     clip, seq, num_workers, data)
+    if name == torchao_run.NAME:
+        family, model_kwargs = family_of(model_name, layers, seq)
+        return torchao_run.run_torchao(run, family, model_kwargs, ADAMW, data_module,
+                                       recompute=model_block(model_name, layers, seq) if checkpointing else None,
+                                       accumulate=accumulate, steps=steps, warmup=warmup, batch=batch,
+                                       block_size=cfg["block_size"],
+                                       inexact_because=inexact_because(name, zoff_options, clip))
     if name == FABRIC_RUN:
         family, model_kwargs, options = fabric_parts(model_name, zoff_options, layers, checkpointing, seq)
         return run_fabric(run, family, model_kwargs, ADAMW, options, data_module, accumulate=accumulate, steps=steps,

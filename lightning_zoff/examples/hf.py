@@ -63,6 +63,14 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 500_000.0}, tie_word_embeddings=False,
     )),
+    # Qwen2.5-7B's shape, from Qwen/Qwen2.5-7B-Instruct's config.json (the base model's differs in
+    # max_position_embeddings only, which sizes no parameter: rotary): 7.62B parameters (7,615,616,512; the model card
+    # says 7.61B, MegaTrain's TFLOP/s count 7.62e9), q/k/v with biases, embedding and head apart (545M each)
+    "qwen25_7b": ("qwen2", dict(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, tie_word_embeddings=False,
+    )),
     # Qwen3-14B's shape: 14.77B parameters, embedding and head apart (778M each)
     "qwen3_14b": ("qwen3", dict(
         vocab_size=151936, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,

@@ -155,6 +155,36 @@ for stage in "$@"; do
           *) echo "users_launch: unknown part $part (llama_b1 llama_b4 qwen14b deepspeed)" ;;
         esac
       done ;;
+    peers)  # the peers at their own headline configurations (issue 53), each part one bench call and one JSON, every
+      # outcome recorded (time, gpu_oom, host_oom, timeout, unsupported). Needs .whl with transformers, DeepSpeed and
+      # torchao (device_wheels.sh --with-deepspeed, scripts/device/hf_wheels.sh, scripts/device/torchao_wheels.sh).
+      # Parts in $PEERS_PARTS (default both, in this order), $PEERS_STEPS measured steps (default 5), within
+      # $PEERS_BUDGET seconds (default 585: one device call). Each run has its own limit (--run-timeout-s RUN=S: a run
+      # past it is recorded as "timeout"), and a part's call is cut at what the budget leaves (the JSON keeps the runs
+      # done by then); a part with < 60 s left is skipped, and says so. The megatrain part's limits add up to 570 s,
+      # so the two parts take two calls: PEERS_PARTS=gpt1b, then PEERS_PARTS=megatrain.
+      steps=${PEERS_STEPS:-5}
+      peers() {  # NAME LIMIT_S ARGS...: one bench call within LIMIT_S and what is left of the budget
+        local name=$1 limit=$2 left=$(( ${PEERS_BUDGET:-585} - SECONDS )); shift 2
+        if [ $left -lt 60 ]; then echo "$name: skipped, $left s left of PEERS_BUDGET" | tee -a "$OUT/peers.txt"; return; fi
+        [ $limit -gt $left ] && limit=$left
+        timeout $limit python3 scripts/bench/bench.py "$@" --steps $steps --out "$OUT/$name.json" 2>&1 \
+            | grep -v "^INFO" | tail -14 | tee -a "$OUT/peers.txt"
+      }
+      for part in ${PEERS_PARTS:-gpt1b megatrain}; do
+        case $part in
+          # gpt1b batch 8: FSDP2's CPU offload beside zoff and DeepSpeed ZeRO-3 offload (setup ~30-90 s each)
+          gpt1b) peers peers_gpt1b_b8 330 --model gpt1b --batch 8 --accumulate 1 --warmup 2 \
+                     --runs zoff deepspeed_zero3_offload fsdp2_cpu_offload --run-timeout-s 110 ;;
+          # MegaTrain's Qwen2.5-7B (seq 1024, batch 8 x 18, 4 workers, blocks recomputed): zoff (~55 s setup, ~19 s a
+          # step) and the peers, whose first outcome (OOM, a step) comes after building 7.6B parameters
+          megatrain) peers peers_megatrain_qwen25_7b 585 --config megatrain_qwen25_7b --warmup 1 \
+                         --runs zoff deepspeed_zero3_offload fsdp_cpu_offload fsdp2_cpu_offload torchao_cpu_offload \
+                         --run-timeout-s zoff=200 deepspeed_zero3_offload=110 fsdp_cpu_offload=80 \
+                         fsdp2_cpu_offload=90 torchao_cpu_offload=90 ;;
+          *) echo "peers: unknown part $part (gpt1b megatrain)" ;;
+        esac
+      done ;;
     *) echo "unknown stage $stage: see the stages of scripts/device/gpu_checks.sh"; exit 2 ;;
   esac
 done
