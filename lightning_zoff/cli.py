@@ -13,6 +13,7 @@ construction) stops in at most three lines on stderr, `error: --key=value: ...` 
 
 import difflib
 import os
+import pydoc
 import re
 import sys
 from typing import Any, NoReturn
@@ -28,6 +29,8 @@ from typing_extensions import override
 import lightning_zoff  # noqa: F401  registers the strategy names before the trainer's arguments are parsed
 from lightning_zoff.app.progress import progress_bar
 from lightning_zoff.app.quiet import QuietRanks, quiet
+from lightning_zoff.config import removed_option
+from lightning_zoff.doors import FrontDoor
 
 _CLI_EXTRA = RequirementCache("jsonargparse[signatures]>=4.27.7")  # what LightningCLI itself requires
 
@@ -56,7 +59,8 @@ def short_parse_error(message: str, options: list[str]) -> str:
         return f"--{key}={value}: expected {accepted}"
     problem = re.search(r"Problem with given class_path '([^']+)':\s*(.*)", message)
     if problem:
-        return f"--{key}.class_path={problem.group(1)}: {problem.group(2)}"
+        removed = removed_strategy_option(key, problem.group(1), problem.group(2), message)
+        return removed or f"--{key}.class_path={problem.group(1)}: {problem.group(2)}"
     # a class's own refusal at construction, among the union's alternatives that did not apply
     refused = [line.strip()[2:] for line in message.splitlines() if line.strip().startswith("- ")
                and not line.strip().startswith("- Expected a <class")]
@@ -67,6 +71,20 @@ def short_parse_error(message: str, options: list[str]) -> str:
     if single:
         return f"--{single.group(1)}: {single.group(2)}"
     return message
+
+
+def removed_strategy_option(key: str, class_path: str, problem: str, message: str) -> str | None:
+    """`--key.name=value: why it went`, where jsonargparse's `problem` with `class_path` is an option that one of zoff's
+    strategies no longer has; else None."""
+    refused = re.fullmatch(r"Option '(\w+)' is not accepted", problem)
+    target = pydoc.locate(class_path)
+    if refused is None or not (isinstance(target, type) and issubclass(target, FrontDoor)):
+        return None
+    why = removed_option(refused.group(1))
+    if why is None:
+        return None
+    value = re.search(r"NestedArg\(key='\w+', val='(.*)'\)", message)  # given on the command line, not in a file
+    return f"--{key}.{refused.group(1)}{'=' + value.group(1) if value else ''}: {why}"
 
 
 class OneLineErrorParser(LightningArgumentParser):

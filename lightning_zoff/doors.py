@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.environments import ClusterEnvironment
+from typing_extensions import Self
 
 from lightning_zoff._compat_lightning import set_strategy_launcher
-from lightning_zoff.config import ACCUM_DTYPES, ZoffConfig
+from lightning_zoff.config import ACCUM_DTYPES, ZoffConfig, removed_option
 from lightning_zoff.contract import Core
 from lightning_zoff.launch import group as rank_group, ranks
 from lightning_zoff.launch.cpus import CpuLayout
@@ -43,6 +44,14 @@ class FrontDoor:
     node_rank: int
     world_size: int
     num_nodes: int
+
+    def __new__(cls, *args: Any, **options: Any) -> Self:
+        # an option zoff removed is refused with why it went, not with Python's bare "unexpected keyword argument"
+        for name, value in options.items():
+            why = removed_option(name)
+            if why is not None:
+                raise TypeError(f"{cls.__name__}({name}={value!r}): {why}")
+        return super().__new__(cls)
 
     @property
     def engine(self) -> OffloadEngine | None:

@@ -18,6 +18,9 @@ from hydra.errors import HydraException, MissingConfigException, OverrideParseEx
 from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_zoff.config import removed_option
+from lightning_zoff.doors import FrontDoor
+
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = {path.name for path in CONF.iterdir() if path.is_dir() and path.name != "cli"}  # trainer, strategy, ...
 # a group choice the configuration can be composed with: one option, not a sweep (`optimizer=adamw,lion`)
@@ -56,6 +59,9 @@ def _unknown(cfg: DictConfig, key: str, adding: bool) -> str | None:
         parent, _, name = parent.rpartition(".")
         node = OmegaConf.select(cfg, parent) if parent else cfg
     where = parent or "the configuration"
+    why = _removed(node, name)
+    if why is not None:
+        return f"'{key}': {why}"
     if name in node:
         return f"'+{key}' adds a key that exists; set it with {key}=..." if adding else None
     if len(node) == 0:  # a mapping of free keys (model.config: values over a preset's)
@@ -89,6 +95,18 @@ def _arguments(parent: str, node: DictConfig) -> Arguments | None:
         return None
     parameters = inspect.signature(target).parameters
     return Arguments(set(parameters), any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()))
+
+
+def _removed(node: DictConfig, name: str) -> str | None:
+    """Why zoff removed its option `name`, where `node` configures one of zoff's strategies; else None."""
+    why = removed_option(name)
+    if why is None or "_target_" not in node:
+        return None
+    try:
+        target = get_object(node._target_)
+    except Exception:
+        return None
+    return why if isinstance(target, type) and issubclass(target, FrontDoor) else None
 
 
 # flags that change which configuration Hydra composes, or that compose none: the check below leaves those to Hydra

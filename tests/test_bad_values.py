@@ -16,8 +16,9 @@ import pytest
 
 import test_main_job_second_day
 from lightning_zoff.cli import main as cli_main, short_parse_error
+from lightning_zoff.config import removed_option
 from test_cli import CLI
-from test_main_job_second_day import assert_refused
+from test_main_job_second_day import assert_refused, run_refused
 from train_overrides import hydra_refusal
 
 
@@ -45,6 +46,14 @@ def test_a_bad_value_of_the_main_job_is_one_line_and_exit_status_2(tmp_path, arg
     assert line.startswith(message), line
     assert not (tmp_path / "outputs").exists()
     assert not (tmp_path / "multirun").exists()
+
+
+@pytest.mark.parametrize("argv", [["strategy.update_lag=1"], ["strategy=zoff_no_offload", "+strategy.update_lag=0"]])
+def test_the_main_job_says_why_an_option_was_removed(tmp_path, argv):
+    refused = run_refused(tmp_path, *argv)  # as for a key that does not exist: one line, exit status 2, no directory
+    assert (refused.code, refused.out) == (2, "")
+    assert refused.err.splitlines() == [f"'strategy.update_lag': {removed_option('update_lag')}"]
+    assert not (tmp_path / "outputs").exists()
 
 
 def test_the_fabric_job_has_the_main_job_s_door(tmp_path, monkeypatch):
@@ -92,6 +101,8 @@ def cli_refusal(capsys, *args: str) -> list[str]:
     (["--trainer.max_stepz=3"], r"unknown option --trainer\.max_stepz=3; did you mean --trainer\.max_steps"),
     (["--trainer.max_steps=abc"], r"--trainer\.max_steps=abc: expected int"),
     (["--data.batch_size=0"], r"CorpusDataModule: batch_size=0: expected a positive integer"),
+    (["--config", str(CLI / "zoff_class_path.yaml"), "--trainer.strategy.init_args.update_lag=1"],
+     r"^error: --trainer\.strategy\.update_lag=1: " + re.escape(str(removed_option("update_lag"))) + "$"),
 ])
 def test_a_bad_value_of_the_cli_is_at_most_three_lines_and_exit_status_2(capsys, args, message):
     err = cli_refusal(capsys, *args)

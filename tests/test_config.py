@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_zoff import ZoffStrategy
+from lightning_zoff import ZoffFabricStrategy, ZoffStrategy
 from lightning_zoff.config import ZoffConfig, defaults, markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +48,19 @@ def test_the_hydra_config_lists_every_option_with_its_default():
 def test_a_bad_option_is_named_with_what_it_accepts(options, message):
     with pytest.raises((TypeError, ValueError), match=message):
         ZoffConfig(**options)
+
+
+REMOVAL = (r"the option was removed: a one-step-stale update ended 19% above exact training on the main job at step"
+           r" 200, 7% even after 150 exact steps \(bench/README\.md, \"`update_lag`, removed\"\)")
+
+
+@pytest.mark.parametrize("door", [ZoffStrategy, ZoffFabricStrategy])
+@pytest.mark.parametrize("value", [1, 0])
+def test_a_removed_option_is_refused_with_why_it_went(door, value):
+    with pytest.raises(TypeError, match=rf"^{door.__name__}\(update_lag={value}\): {REMOVAL}$"):
+        door(update_lag=value)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'update_lags'"):  # any other name: Python's own
+        door(update_lags=1)
 
 
 def test_options_are_stored_in_their_normal_form():

@@ -212,6 +212,18 @@ def test_last_is_the_newest_checkpoint_of_this_model(tmp_path):
         resume.find_checkpoint("nothing/here", outputs, model_config(), "gpt_tiny")
 
 
+def test_last_finds_a_job_that_recorded_a_removed_option(tmp_path):
+    # a job from before update_lag was removed recorded it (`strategy.update_lag: 1`); its checkpoint's meta.pt does
+    # not (nothing of the strategy's options), so the checkpoint resumes as any other
+    outputs = tmp_path / "outputs"
+    checkpoint = job(outputs, "12-00-00")
+    recorded = checkpoint.parents[1] / ".hydra" / "config.yaml"
+    config = OmegaConf.load(recorded)
+    config.strategy.update_lag = 1
+    OmegaConf.save(config, recorded)
+    assert resume.find_checkpoint("last", outputs, model_config(), "gpt_tiny") == checkpoint
+
+
 @pytest.mark.slow
 def test_last_takes_this_models_newest_and_a_run_with_nothing_to_train_says_so(runs):
     then = printed_path(runs.then, "checkpoint")

@@ -46,7 +46,6 @@ ZOFF_VARIANTS: dict[str, dict[str, Any]] = {
     "zoff_accum_gpu": dict(grad_accum_on="accelerator"),
     "zoff_accum_gpu_retained": dict(grad_accum_on="accelerator", retain_gpu_grad_partition_until_step=True),
     "zoff_bf16_moments": dict(optimizer_state_dtype="bf16"),  # 20 B/param of host traffic instead of 28
-    "zoff_lag": dict(update_lag=1),  # the host's update one step late, beside the next step (inexact)
     # the 7B-on-128-GB configuration, all on the host
     "zoff_sync_bf16_moments": dict(overlap=False, optimizer_state_dtype="bf16", accelerator_state="none"),
 }
@@ -70,8 +69,6 @@ def inexact_because(name: str, zoff_options: dict, clip: float | None = None) ->
     options = {**ZOFF_VARIANTS.get(name, {}), **zoff_options} if is_zoff(name) else {}
     if options.get("optimizer_state_dtype") == "bf16":
         return "moments stored in bf16"
-    if options.get("update_lag"):
-        return "the host's units update one step late (update_lag)"
     return None
 
 

@@ -97,7 +97,6 @@ class OffloadEngine:
         params = [p for layout, _ in layouts for p in layout.params]
         self.param_device = params[0].device if params else torch.device("cpu")
         self.state_device = torch.device("cpu") if config.offload else self.param_device
-        self.update_lag = config.lags  # the host's updates reach the shards a step late
         # units by name, in the order a forward enters them: guessed (`forward_order`) until the gates saw one
         guess = {name: i for i, name in enumerate(forward_order or ())}
         self.forward_order = sorted((layout.name for layout, _ in layouts), key=lambda n: guess.get(n, len(guess)))
@@ -120,7 +119,7 @@ class OffloadEngine:
                 layout, masters, group_of, placement=where,
                 device=self.state_device if where is Placement.HOST else self.param_device, moments=moments,
                 moment_dtype=config.moment_dtype, sums_windows=self.sums_windows, grad_sum_dtype=config.grad_sum_dtype,
-                pin=config.pin_memory and where is Placement.HOST, update_lag=self.update_lag)
+                pin=config.pin_memory and where is Placement.HOST)
         self.units = [built[layout.name] for layout, _ in layouts]
         self._modules = [module for _, module in layouts]
         on_cuda = self.param_device.type == "cuda"
@@ -133,8 +132,7 @@ class OffloadEngine:
                                 grad_sum_dtype=config.grad_sum_dtype, moment_dtype=config.moment_dtype,
                                 pin=config.pin_memory)
         self.updates = UnitUpdates(self.rule, optimizer, self.traffic, self.scheduler, world_size=world_size,
-                                   threads=threads, h2d_stream=h2d_stream, compute_stream=self.compute_stream,
-                                   update_lag=self.update_lag)
+                                   threads=threads, h2d_stream=h2d_stream, compute_stream=self.compute_stream)
         self.landing = GradientLanding(
             self.units, LandingOptions(config.grad_sum_dtype, config.pin_memory, config.grad_accum_on == "accelerator",
                                        config.retain_gpu_grad_partition_until_step, threads),
@@ -173,10 +171,8 @@ class OffloadEngine:
 
     def unit_ready(self, unit: UnitState) -> None:
         """The landing's next stage (`LandingEvents`, on the worker): a host unit's window gradient is complete, so
-        its update runs speculatively into a spare set at this backward's loss scale (a lagged one waits for the
-        step)."""
-        if not self.update_lag:
-            self.updates.speculate(unit, self.landing.loss_scale)
+        its update runs speculatively into a spare set at this backward's loss scale."""
+        self.updates.speculate(unit, self.landing.loss_scale)
 
     # -- 3, 4. the step: the decision, then each unit's update finalized and sent ----------------------------
 
@@ -191,8 +187,6 @@ class OffloadEngine:
                                    sumsq=self.landing.sumsq)
         if self.scheduler is not None:
             self.scheduler.decided(as_speculated=not outcome.skipped and outcome.clip_coef == 1.0)
-        if self.update_lag:  # this backward has read the older shards: the last step's host updates may go up now
-            self.send_lagged()
         if not decision.skipped:  # counted here, so each step reports its own copies even when they end during the next
             host_units = [unit for unit in units if unit.placement is Placement.HOST]
             self.traffic.add(h2d_bytes=sum(p.slot.local.nbytes for unit in host_units
@@ -200,13 +194,6 @@ class OffloadEngine:
         landed = self.landing.landed_order
         order = landed[::-1] + [u for u in units if u not in landed]
         for unit in order:  # the next forward needs them about in the reverse of backward's order
-            if self.update_lag and unit.placement is Placement.HOST:  # its next window starts now, beside this update
-                lagged = functools.partial(self.updates.lagged, unit, unit.lag_window(), decision)
-                if self.scheduler is not None:
-                    self.scheduler.finalize(lagged)
-                else:
-                    lagged()
-                continue
             unit.phase = Phase.FINALIZING
             if self.scheduler is not None and self.landing.on_worker(unit):
                 self.scheduler.finalize(functools.partial(self.updates.finalize, unit, decision))
@@ -214,16 +201,6 @@ class OffloadEngine:
             if unit.phase is Phase.FINALIZING and not self.landing.on_worker(unit):
                 self.updates.finalize(unit, decision)
         return outcome
-
-    @torch.no_grad()
-    def send_lagged(self) -> None:
-        """With `update_lag`: wait for the host's updates of the last step and copy them into FSDP2's shards."""
-        if self.scheduler is not None:
-            self.scheduler.wait_idle()
-        for unit in self.units:
-            if unit.pending_send is not None:
-                self.updates.send(unit, unit.pending_send, unit.param_staging, non_blocking=True)
-                unit.pending_send = None
 
     # -- the next forward: each unit waits for its own update -----------------------------------------------
 
@@ -244,11 +221,9 @@ class OffloadEngine:
         order_after_copy(unit.params_copied, self._modules[index], self.param_device)
 
     def wait_idle(self) -> None:
-        """Block until no update is in flight: the state and the accelerator's shards are this step's (with
-        `update_lag`, the last step's update goes up now: a checkpoint, a move or the end of a fit applies it)."""
+        """Block until no update is in flight: the state and the accelerator's shards are this step's."""
         if self.scheduler is not None:
             self.scheduler.wait_idle()
-        self.send_lagged()
         for unit in self.units:
             if unit.params_copied is not None:
                 unit.params_copied.synchronize()

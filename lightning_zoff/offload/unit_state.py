@@ -134,13 +134,6 @@ class UnitState:
     grad_copied: torch.cuda.Event | None = None
     params_copied: torch.cuda.Event | None = None
     staging_free: threading.Event = field(default_factory=threading.Event)  # grad_staging may be overwritten
-    # on the host, with `update_lag`: a window's update runs beside the next window, so the unit has a second landing
-    # buffer and window sum (`lag_window` swaps them), and its 16-bit copy a buffer of its own even where the
-    # layouts agree; `pending_send`: the parameters of the last update, still to go to the accelerator
-    update_lag: bool = False
-    lagged_staging: torch.Tensor | None = None
-    lagged_sum: torch.Tensor | None = None
-    pending_send: list[TrainedParam] | None = None
 
     @property
     def master(self) -> torch.Tensor:
@@ -161,9 +154,8 @@ class UnitState:
 
     @property
     def at_rest(self) -> bool:
-        """Between windows with nothing in flight (no speculation, spare set or send waiting): the state may move."""
-        return (self.phase is Phase.EMPTY and self.speculation is None and self.spare is None
-                and self.pending_send is None)
+        """Between windows with nothing in flight (no speculation or spare set): the state may move."""
+        return self.phase is Phase.EMPTY and self.speculation is None and self.spare is None
 
     @property
     def fp32_params(self) -> bool:
@@ -173,23 +165,6 @@ class UnitState:
     def rows(self, param: TrainedParam, flat: torch.Tensor) -> torch.Tensor:
         """The parameter's unpadded rows in one of the unit's state-laid buffers (master, moments, param_staging)."""
         return flat[param.state_offset : param.state_offset + param.slot.numel]
-
-    def lag_window(self) -> torch.Tensor:
-        """With `update_lag`, at the decision: the window's gradient, for its update on the worker, and the unit EMPTY
-        for the next window, which lands in the other landing buffer (or sum). The training thread's, at the step."""
-        grad = self.window_grad
-        assert self.update_lag
-        assert grad is not None
-        if grad is self.grad_staging:
-            self.grad_staging, self.lagged_staging = self.lagged_staging, grad
-        else:
-            assert grad is self.grad_sum
-            if self.lagged_sum is None:  # the first window of several micro-batches
-                self.lagged_sum = host_empty(grad.numel(), grad.dtype, grad.device, grad.is_pinned())
-            self.grad_sum, self.lagged_sum = self.lagged_sum, grad
-        self.window_grad, self.sumsq, self.phase = None, None, Phase.EMPTY
-        self.staging_free.set()
-        return grad
 
     def swap_spare(self) -> SpareSet:
         """Make the spare state (a kept speculation) the unit's; returns the old state with the spare's 16-bit copy,
@@ -204,8 +179,7 @@ class UnitState:
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor the unit allocated for the optimizer (what its memory is; a lent spare set is the pool's)."""
         tensors = [*self.state]
-        windows = (self.grad_staging, self.grad_sum, self.lagged_staging, self.lagged_sum)
-        tensors += [t for t in windows if t is not None]
+        tensors += [t for t in (self.grad_staging, self.grad_sum) if t is not None]
         if self.param_staging is not None and not self._out_is_shared():
             tensors.append(self.param_staging)
         return tensors
@@ -228,7 +202,6 @@ def build_unit_state(
     sums_windows: bool,
     grad_sum_dtype: torch.dtype,
     pin: bool,
-    update_lag: bool = False,
 ) -> UnitState:
     """State for the unit's trained parameters on `device`, their rows taken from `masters` (fp32 shards by id of
     the sharded parameter), which are consumed: the model's fp32 copies are freed as the state fills."""
@@ -254,7 +227,7 @@ def build_unit_state(
             spans.append((start, end))
     param_dtype = (layout.slots[0].param if layout.slots else layout.frozen[0]).dtype
     unit = UnitState(layout, placement, param_dtype, trained, spans, state, spare=None, grad_sum=None,
-                     grad_staging=None, param_staging=None, used=[False] * len(layout.slots), update_lag=update_lag)
+                     grad_staging=None, param_staging=None, used=[False] * len(layout.slots))
     make_buffers(unit, device, sums_windows=sums_windows, grad_sum_dtype=grad_sum_dtype, pin=pin)
     unit.staging_free.set()
     return unit

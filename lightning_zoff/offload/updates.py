@@ -25,13 +25,11 @@ class UnitUpdates:
     """Runs units' updates with the `rule` and the current hyperparameters of `optimizer`'s param groups: on the host
     with the fused kernels (`threads` of them), on the accelerator with torch ops in bounded pieces. `scheduler`: the
     worker with overlap (None without, and once the engine detached); `h2d_stream` carries the host's 16-bit shards up,
-    `compute_stream` is the training loop's; `update_lag`: a host unit's 16-bit copy is sent at the next step's
-    decision (`OffloadEngine.send_lagged`), not at once."""
+    `compute_stream` is the training loop's."""
 
     def __init__(self, rule: UpdateRule, optimizer: torch.optim.Optimizer, traffic: Traffic,
                  scheduler: HostScheduler | None, *, world_size: int, threads: int | None,
-                 h2d_stream: torch.cuda.Stream | None, compute_stream: torch.cuda.Stream | None,
-                 update_lag: bool = False) -> None:
+                 h2d_stream: torch.cuda.Stream | None, compute_stream: torch.cuda.Stream | None) -> None:
         self.rule = rule
         self.optimizer = optimizer
         self.traffic = traffic
@@ -40,7 +38,6 @@ class UnitUpdates:
         self.threads = threads
         self.h2d_stream = h2d_stream
         self.compute_stream = compute_stream
-        self.update_lag = update_lag  # a host unit's update waits in its 16-bit copy until the next step's decision
 
     def hyper(self) -> tuple[GroupHyperparams, ...]:
         return tuple(GroupHyperparams.of(g) for g in self.optimizer.param_groups)
@@ -80,26 +77,16 @@ class UnitUpdates:
             unit.phase = Phase.EMPTY
             unit.staging_free.set()
 
-    @torch.no_grad()
-    def lagged(self, unit: UnitState, grad: torch.Tensor, decision: Decision) -> None:
-        """With `update_lag`: a host unit's update of a decided step from `grad`, that window's gradient, in the buffer
-        the unit set apart at the decision (`UnitState.lag_window`) while its next window lands in the other;
-        the 16-bit copy waits in `param_staging` for the next decision (`OffloadEngine.send_lagged`)."""
-        if not decision.skipped:
-            self.update(unit, self.key(unit, decision.scale, decision.hyper, decision.used[unit]), grad)
-            self._commit(unit, decision.used[unit])
-
-    def update(self, unit: UnitState, key: UpdateKey, grad: torch.Tensor | None = None) -> None:
-        """Run the update over every run of the key, from `grad` (default: the unit's window gradient): into the spare
-        set when speculating, else in place. On the host one kernel call per run (its threads split it); on the
-        accelerator in pieces, through a bounded fp32 workspace."""
+    def update(self, unit: UnitState, key: UpdateKey) -> None:
+        """Run the update over every run of the key: into the spare set when speculating, else in place. On the host one
+        kernel call per run (its threads split it); on the accelerator in pieces, through a bounded fp32 workspace."""
         on_host = unit.placement is Placement.HOST
         if on_host and unit.params_copied is not None:  # param_staging still feeds the last step's copy
             unit.params_copied.synchronize()
         if unit.grad_in_shards:
             self._update_from_shards(unit, key)
             return
-        grad, state, spare = unit.window_grad if grad is None else grad, unit.state, unit.spare
+        grad, state, spare = unit.window_grad, unit.state, unit.spare
         assert grad is not None
         out = spare.out if spare is not None else unit.param_staging
         if unit.fp32_params:
@@ -139,9 +126,6 @@ class UnitUpdates:
         updated = [p for p, is_used in zip(unit.trained, used, strict=True) if is_used]
         for param in updated:
             param.step += 1
-        if self.update_lag and unit.placement is Placement.HOST:
-            unit.pending_send = updated  # in `param_staging`, its own buffer, until the next step's decision
-            return
         if unit.spare is None:  # every trained shard when they held the gradient
             self.send(unit, unit.trained if unit.grad_in_shards else updated, unit.param_staging, non_blocking=True)
             return

@@ -162,14 +162,11 @@ def make_buffers(unit: UnitState, device: torch.device, *, sums_windows: bool, g
     n, host = unit.layout.flat_numel, unit.placement is Placement.HOST
     unit.grad_sum = host_empty(n, grad_sum_dtype, device, pin and host).zero_() if sums_windows else None
     unit.grad_staging = host_empty(n, unit.param_dtype, device, pin) if host else None
-    lagged = unit.update_lag and host
-    unit.lagged_staging = host_empty(n, unit.param_dtype, device, pin) if lagged else None
-    unit.lagged_sum = host_empty(n, grad_sum_dtype, device, pin).zero_() if lagged and sums_windows else None
     if not host:
         unit.param_staging = None
     elif unit.fp32_params:
         unit.param_staging = unit.master
-    elif unit.same_layout and not lagged:
+    elif unit.same_layout:
         assert unit.grad_staging is not None
         unit.param_staging = unit.grad_staging[: unit.master.numel()]
     else:

@@ -63,7 +63,6 @@ class StateOptions:
     retain_device_sum: bool = False  # ... for the whole window, every unit's at once
     speculates: bool = True  # host units update during backward, into the host's spare sets
     pin: bool = True
-    update_lag: bool = False  # host units: a second landing buffer and sum, and the 16-bit copy in a buffer of its own
 
     @classmethod
     def of(cls, config: ZoffConfig, *, param_bytes: int, moments: int, sums_windows: bool) -> StateOptions:
@@ -73,7 +72,7 @@ class StateOptions:
                    sum_bytes=config.grad_sum_dtype.itemsize if sums_windows else 0,
                    sum_on_accelerator=config.grad_accum_on == "accelerator",
                    retain_device_sum=config.retain_gpu_grad_partition_until_step,
-                   speculates=config.speculates, pin=config.pin_memory, update_lag=config.lags)
+                   speculates=config.host_worker, pin=config.pin_memory)
 
     def state_bytes(self, trained: int) -> int:
         return trained * (4 + self.moments * self.moment_bytes)
@@ -95,11 +94,7 @@ def unit_buffers(shape: UnitShape, options: StateOptions, placement: Placement) 
                "grad_sum": options.sum_bytes * shape.reduced}
     if placement is Placement.HOST:
         buffers["grad_landing"] = options.param_bytes * shape.reduced
-        shared = shape.same_layout and not options.update_lag  # the kernel writes the copy over the gradient it read
-        buffers["param_out"] = 0 if shared else options.out_bytes(shape.trained)
-        if options.update_lag:  # the window being updated (lagged), beside the next one landing
-            buffers["grad_landing_lagged"] = buffers["grad_landing"]
-            buffers["grad_sum_lagged"] = buffers["grad_sum"]
+        buffers["param_out"] = 0 if shape.same_layout else options.out_bytes(shape.trained)
     return buffers
 
 

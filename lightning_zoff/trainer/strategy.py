@@ -73,7 +73,6 @@ class ZoffStrategy(FrontDoor, ParallelStrategy):
         retain_gpu_grad_partition_until_step: bool = False,
         cpu_threads: int | None = None,
         overlap: bool = True,
-        update_lag: int = 0,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         state_dict_type: Literal["sharded", "full"] = "sharded",
