@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_zoff.checkpoint.checkpoints import Checkpoints
+from lightning_zoff.checkpoint.whole_loads import route_whole_loads
 from lightning_zoff.config import ZoffConfig
 from lightning_zoff.host_watch import HostMemoryLow
 from lightning_zoff.launch.cpus import CpuLayout, rank_layout, torch_threads
@@ -66,9 +67,11 @@ class ShardedTraining:
         came sharded. With offload, the optimizer state is planned first: a model whose state cannot fit is refused
         here, before anything is allocated, when `fitting`; else (a model set up before its optimizer, or for
         evaluation) when an optimizer is set up. A module built on the meta device is materialised a unit at a time.
-        `loader_workers`: the rank's DataLoader workers, kept room for on the host."""
+        `loader_workers`: the rank's DataLoader workers, kept room for on the host. From then on the module's
+        `load_state_dict` of whole tensors loads as `load_full_state_dict` does (`checkpoint/whole_loads.py`)."""
         self.module = module
         if is_sharded(module):
+            route_whole_loads(module, self)  # this core holds it now
             return
         self.close_engine()  # an earlier fit's, of another model
         self.units = plan_units(module, self.config.wrap_policy, root_runs_forward=self.root_runs_forward)
@@ -92,6 +95,7 @@ class ShardedTraining:
         with torch_threads(len(self.cpu_layout.cores)):  # meta init and master copies: no kernels run yet
             self.masters = shard_model(module, self.units, mesh, param_dtype, self.config.param_init_fn)
         module.to(self.group.device)  # buffers and anything FSDP2 did not move
+        route_whole_loads(module, self)
 
     def build_engine(self, optimizer: torch.optim.Optimizer, accumulate_grad_batches: int = 1) -> OffloadEngine:
         """The engine that steps `optimizer` over the sharded module from now on. A new optimizer starts from fresh

@@ -175,7 +175,7 @@ class Checkpoints:
             finish_restore(module, engine, None, None)
         else:
             assert masters is not None
-            apply_weights(module, targets, masters)
+            apply_weights(module, loaded, masters)  # strict=False: the rest keep their values
 
     @staticmethod
     def full_state_dict(module: nn.Module, engine: OffloadEngine) -> dict[str, torch.Tensor]:

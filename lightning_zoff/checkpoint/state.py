@@ -217,9 +217,12 @@ def weight_targets(module: nn.Module) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def apply_weights(module: nn.Module, targets: dict[str, torch.Tensor], masters: dict[int, torch.Tensor]) -> None:
     """Copy loaded weights into the model's shards and into the fp32 masters (by id of the sharded parameter) that the
-    engine of a later fit starts from."""
-    for name, p in module.named_parameters():
-        loaded = targets[name]
+    engine of a later fit starts from. A parameter none of whose names `targets` holds keeps its value."""
+    names = param_names(module)
+    for p in module.parameters():
+        loaded = next((targets[name] for name in names[id(p)] if name in targets), None)
+        if loaded is None:
+            continue
         local = loaded.to_local() if isinstance(loaded, DTensor) else loaded
         cast(DTensor, p).to_local().copy_(local)
         if id(p) in masters:

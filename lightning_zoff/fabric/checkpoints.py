@@ -7,7 +7,6 @@ weights (`load_raw`)."""
 
 from __future__ import annotations
 
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,6 @@ import lightning
 import torch
 from lightning.fabric.utilities.types import _Stateful
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from lightning_zoff.checkpoint.files import is_zoff_checkpoint
 from lightning_zoff.contract import Core
@@ -108,27 +106,3 @@ def load_raw(training: Core, path: Any, strict: bool) -> None:
         training.load(path, None)
         return
     training.load_full_state_dict(path, strict=strict)
-
-
-def take_whole_state_dicts(module: nn.Module, training: Core) -> None:
-    """Make `module.load_state_dict(state_dict)` of whole tensors (what LitGPT's `load_checkpoint` does under strategies
-    other than FSDP's, with Lightning's lazily loaded tensors) load them as `load_raw` does: into the fp32 masters and
-    the shards, each rank its rows; torch's own loading then copies the loaded shards onto themselves. A state dict of
-    sharded tensors loads as FSDP2 loads it."""
-    ref = weakref.ref(training)
-
-    def whole_weights(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        # a lazily loaded tensor-like reads itself in torch's functions (`__torch_function__`): detach() reads it here
-        whole = {key: value if isinstance(value, torch.Tensor) else torch.detach(value)
-                 for key, value in state_dict.items()
-                 if hasattr(value, "__torch_function__") and not isinstance(value, DTensor)}
-        current = ref()
-        if prefix or not whole or current is None:
-            return
-        current.load_full_state_dict(whole, strict=False, prefix="")
-        loaded = module.state_dict()
-        for key in whole.keys() & loaded.keys():
-            if isinstance(loaded[key], DTensor):
-                state_dict[key] = loaded[key]
-
-    module.register_load_state_dict_pre_hook(whole_weights)

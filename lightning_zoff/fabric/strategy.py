@@ -167,7 +167,6 @@ class ZoffFabricStrategy(FrontDoor, ParallelStrategy):
         # Fabric's dataloaders may be set up after the model: only the option tells their workers
         training.shard(module, self.precision.param_dtype, fitting=fitting,
                        loader_workers=self.config.loader_workers or 0)
-        checkpoints.take_whole_state_dicts(module, training)
         self.barrier()
 
     # -- the training step ----------------------------------------------------------------------------------
