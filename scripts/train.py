@@ -223,11 +223,15 @@ def check_model(options: DictConfig, optimizer_factory) -> None:
 
 def named_value(section: str, options, err: Exception) -> str:
     """`err`'s message on one line after the `section.key=value` it is about: the key the message names (one the
-    command line set first), else the one key of `section` the command line set, else `section` alone."""
+    command line set first), else the key whose word value it names (`accelerator=gpu` for "No supported gpu backend
+    found!", which a config group may have set), else the one key of `section` the command line set, else `section`
+    alone."""
     message = " ".join(str(err).split())
     named = [key for key in options if re.search(rf"\b{key}\b", message)]
+    by_value = [key for key, value in options.items()
+                if isinstance(value, str) and len(value) > 2 and re.search(rf"\b{re.escape(value)}\b", message)]
     given = [key for key in options if f"{section}.{key}=" in " ".join(HydraConfig.get().overrides.task)]
-    keys = [key for key in named if key in given] or named or (given if len(given) == 1 else [])
+    keys = [key for key in named if key in given] or named or by_value or (given if len(given) == 1 else [])
     return f"{section}.{keys[0]}={options[keys[0]]}: {message}" if keys else f"{section}: {message}"
 
 

@@ -32,6 +32,9 @@ from train_overrides import hydra_refusal
     (["trainer.accumulate_grad_batches=two"], "error: trainer.accumulate_grad_batches=two: expected int"),
     (["trainer.log_every_n_steps=x"], "error: trainer.log_every_n_steps=x: expected int or null"),
     (["trainer.devices=0"], "error: trainer.devices=0: `Trainer(devices=0)` value is not a valid input"),
+    # a GPU trainer (experiment=bench's) on a CPU box: the accelerator is named, not the one key the line set
+    (["experiment=bench", "trainer.accumulate_grad_batches=4"],
+     "error: trainer.accelerator=gpu: No supported gpu backend found!"),
     (["model.n_layer=abc"], "error: model.n_layer=abc: "),
     # Hydra's own: an option that does not exist, an override it cannot read, a sweep without -m
     (["strategy=zof"], ("error: strategy=zof: no such option; strategy has: ddp, deepspeed_zero3_offload, zoff, "
