@@ -47,8 +47,15 @@ def _loss_dtype(head_dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(head_dtype, torch.float32)
 
 
-def _slices(vocab: int, step: int) -> range:
-    return range(0, vocab, step)
+def _slices(vocab: int, step: int) -> list[tuple[int, int]]:
+    """The vocabulary's slices, [start, end) each."""
+    return [(start, min(vocab, start + step)) for start in range(0, vocab, step)]
+
+
+def _slice_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, start: int, end: int
+                  ) -> torch.Tensor:
+    """The head's logits of one slice, in the weight's dtype (or autocast's), as the head computes them."""
+    return F.linear(hidden, weight[start:end], None if bias is None else bias[start:end])
 
 
 def _at_target(targets: torch.Tensor, kept: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,9 +77,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         lse_parts: list[torch.Tensor] = []
         target_logit = torch.zeros(hidden.shape[0], dtype=_loss_dtype(weight.dtype), device=hidden.device)
         head_dtype = weight.dtype
-        for start in _slices(vocab, step):
-            end = min(vocab, start + step)
-            logits = F.linear(hidden, weight[start:end], None if bias is None else bias[start:end])
+        for start, end in _slices(vocab, step):
+            logits = _slice_logits(hidden, weight, bias, start, end)
             head_dtype = logits.dtype  # the weight's, or autocast's
             logits = logits.to(_loss_dtype(head_dtype))
             lse_parts.append(torch.logsumexp(logits, dim=1))
@@ -100,10 +106,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.empty_like(weight) if need_weight else None
         grad_bias = torch.empty_like(bias) if need_bias else None
         vocab = weight.shape[0]
-        for start in _slices(vocab, ctx.step):
-            end = min(vocab, start + ctx.step)
+        for start, end in _slices(vocab, ctx.step):
             with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
-                logits = F.linear(hidden, weight[start:end], None if bias is None else bias[start:end])
+                logits = _slice_logits(hidden, weight, bias, start, end)
             grad = logits.to(lse.dtype).sub_(lse.unsqueeze(1)).exp_()  # softmax
             inside, column = _at_target(targets, kept, start, end)
             grad.scatter_add_(1, column, -inside.to(grad.dtype).unsqueeze(1))
