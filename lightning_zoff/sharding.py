@@ -74,7 +74,7 @@ def shard_model(
         for module in unit.modules:
             materialize(module, init_fn)  # the inner units are real already; this takes what is left
         with torch.no_grad():  # looked up again: materialising replaced the parameter objects
-            for name, p in unit_params(model, unit, masters):
+            for name, p in owned_params(model, unit, masters):
                 masters[name] = local_chunk(p.detach(), world_size, rank).to(torch.float32, copy=True)
                 p.data = p.data.to(param_dtype)
         for module in unit.modules:
@@ -143,7 +143,7 @@ def _holds_a_view(output: Any) -> bool:
     return False
 
 
-def unit_params(model: nn.Module, unit: Unit, taken: Container[str]) -> list[tuple[str, nn.Parameter]]:
+def owned_params(model: nn.Module, unit: Unit, taken: Container[str]) -> list[tuple[str, nn.Parameter]]:
     """The parameters `unit` owns, by name: those it holds that no earlier unit (`taken`, names) took."""
     return [(name, p) for name, p in model.named_parameters() if unit.holds(name) and name not in taken]
 

@@ -54,12 +54,17 @@ def exported_by(package: str) -> set[str]:
 
 def imports_of(path: Path, package: str) -> list[tuple[int, str, str | None]]:
     """(line, module, name) of each import of `lightning_zoff.<package>` or a module in it in `path` (name None for
-    `import module`); relative imports resolved against the file's package."""
-    package = ["lightning_zoff", *path.relative_to(PACKAGE).parent.parts]
+    `import module`) that runs, not those under `if TYPE_CHECKING:` (placement's mover names the pipeline's types);
+    relative imports resolved against the file's package."""
+    here = ["lightning_zoff", *path.relative_to(PACKAGE).parent.parts]
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    skipped = type_checking_only(tree)
+    for node in ast.walk(tree):
+        if node in skipped:
+            continue
         if isinstance(node, ast.ImportFrom):
-            base = package[:len(package) - node.level + 1] if node.level else []
+            base = here[:len(here) - node.level + 1] if node.level else []
             module = ".".join([*base, *([node.module] if node.module else [])])
             found += [(node.lineno, module, alias.name) for alias in node.names]
         elif isinstance(node, ast.Import):

@@ -62,7 +62,6 @@ class StateOptions:
     sum_on_accelerator: bool = False  # host units' window sums live on the accelerator between micro-batches
     retain_device_sum: bool = False  # ... for the whole window, every unit's at once
     speculates: bool = True  # host units update during backward, into the host's spare sets
-    pin: bool = True
 
     @classmethod
     def of(cls, config: ZoffConfig, *, param_bytes: int, moments: int, sums_windows: bool) -> StateOptions:
@@ -72,7 +71,7 @@ class StateOptions:
                    sum_bytes=config.grad_sum_dtype.itemsize if sums_windows else 0,
                    sum_on_accelerator=config.grad_accum_on == "accelerator",
                    retain_device_sum=config.retain_gpu_grad_partition_until_step,
-                   speculates=config.host_worker, pin=config.pin_memory)
+                   speculates=config.host_worker)
 
     def state_bytes(self, trained: int) -> int:
         return trained * (4 + self.moments * self.moment_bytes)

@@ -22,7 +22,7 @@ from lightning_zoff.launch.node_log import log_for_node
 from lightning_zoff.placement.machine import Machine, measure_machine, size
 from lightning_zoff.placement.plan import MemoryPlan, Placement, StateOptions, UnitShape
 from lightning_zoff.placement.policy import accelerator_holds_all, back_for_room, plan_memory
-from lightning_zoff.sharding import block_classes, padded_shard_numel, recompute_activations, unit_params
+from lightning_zoff.sharding import block_classes, owned_params, padded_shard_numel, recompute_activations
 from lightning_zoff.units import Unit, forward_order
 
 if TYPE_CHECKING:  # the engine's type: this drives it, and loads none of the pipeline
@@ -200,7 +200,7 @@ def unit_shapes_before_sharding(model: nn.Module, units: list[Unit], world_size:
     shapes, model_bytes = [], 0
     for unit in units:  # the order shard_model takes them in: a unit owns what no earlier unit took
         reduced = 0
-        for name, p in unit_params(model, unit, taken):
+        for name, p in owned_params(model, unit, taken):
             taken[name] = p
             padded = padded_shard_numel(p.shape, world_size)
             model_bytes += padded * param_bytes
