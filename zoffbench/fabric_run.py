@@ -5,7 +5,6 @@ front doors compare in one call: `python scripts/bench/bench.py --runs zoff zoff
 
 from __future__ import annotations
 
-import resource
 import statistics
 import time
 from math import nan
@@ -15,15 +14,7 @@ import psutil
 
 from zoffbench.harness import StepMeasurement, clipped_fraction
 from zoffbench.host_floor import host_floor
-from zoffbench.recorders import expandable_segments_in_use
-
-
-def _now() -> float:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter()
+from zoffbench.recorders import expandable_segments_in_use, process_peaks, synchronized_now
 
 
 def run_fabric(run: Any, family: type, model_kwargs: dict[str, Any], adamw: dict[str, Any], options: dict[str, Any],
@@ -49,7 +40,7 @@ def run_fabric(run: Any, family: type, model_kwargs: dict[str, Any], adamw: dict
     step_s, telemetry, window_peak = [], [], []
     first_step_at = time.time()
     for _ in range(warmup + steps):
-        start = _now()
+        start = synchronized_now()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         for micro in range(accumulate):
@@ -61,7 +52,7 @@ def run_fabric(run: Any, family: type, model_kwargs: dict[str, Any], adamw: dict
             fabric.clip_gradients(model, optimizer, max_norm=clip)
         optimizer.step()
         optimizer.zero_grad()
-        step_s.append(_now() - start)
+        step_s.append(synchronized_now() - start)
         telemetry.append(dict(fabric.strategy.telemetry))
         if torch.cuda.is_available():
             window_peak.append(torch.cuda.max_memory_allocated() / 1e9)
@@ -83,12 +74,8 @@ def run_fabric(run: Any, family: type, model_kwargs: dict[str, Any], adamw: dict
         telemetry_median=zoff,
         gpu_gb_after_micro_backward=None,
         window_peak_gpu_gb=statistics.median(window_peak[warmup:]) if window_peak else None,
-        peak_gpu_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0,
-        peak_gpu_reserved_gb=torch.cuda.max_memory_reserved() / 1e9 if torch.cuda.is_available() else 0.0,
-        gpu_alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0,
-        gpu_expandable_segments=expandable_segments_in_use(),
+        **process_peaks(), gpu_expandable_segments=expandable_segments_in_use(),
         clipped_fraction=clipped_fraction(norms[warmup:], clip), grad_norms=norms,
-        host_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
         setup_s=first_step_at - psutil.Process().create_time(), reported_at=time.time(),
         host_floor=host_floor(fabric.strategy, zoff, step), params=params, steps=step_s,
         forward=[t.get("zoff/forward_s", 0.0) for t in telemetry],

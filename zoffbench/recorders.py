@@ -1,9 +1,11 @@
 """The Lightning callbacks the scripts record training with (harness.py's part that needs Lightning and torch):
 `StepRecorder`, each batch's loss and wall time (the check scripts), and `WindowTimer`, each optimizer step's phases
-and GPU memory (scripts/bench/bench.py)."""
+and GPU memory (scripts/bench/bench.py); and what the bench's own loops (fabric_run.py, torchao_run.py) time and read
+with them: `synchronized_now`, `process_peaks`."""
 
 from __future__ import annotations
 
+import resource
 import time
 from typing import Any
 
@@ -65,12 +67,6 @@ class WindowTimer(pl.Callback):
         self.backward_marks: list[tuple[Mark, Mark]] = []
 
     @staticmethod
-    def _now() -> float:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    @staticmethod
     def _mark() -> Mark:
         if torch.cuda.is_available():
             event = torch.cuda.Event(enable_timing=True)
@@ -90,7 +86,7 @@ class WindowTimer(pl.Callback):
         if self.first_step_at is None:
             self.first_step_at = time.time()
         if self.step_start is None:
-            self.step_start = self._now()
+            self.step_start = synchronized_now()
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
         self.batch_mark = self._mark()
@@ -110,14 +106,14 @@ class WindowTimer(pl.Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
         if self.last_in_window:
-            self.opt_start = self._now()
+            self.opt_start = synchronized_now()
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if not self.last_in_window:
             return  # inside an accumulation window
-        end = self._now()
+        end = synchronized_now()
         assert self.step_start is not None
         self.steps.append(end - self.step_start)
         self.optimizer.append(end - self.opt_start if self.opt_start is not None else 0.0)
@@ -128,6 +124,23 @@ class WindowTimer(pl.Callback):
         if torch.cuda.is_available():
             self.window_peak.append(torch.cuda.max_memory_allocated() / 1e9)
         self.step_start, self.opt_start = None, None
+
+
+def synchronized_now() -> float:
+    """perf_counter's seconds once the GPU has done what was queued on it (at once without CUDA)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def process_peaks() -> dict[str, Any]:
+    """This rank's peaks as `StepMeasurement` keeps them: torch's allocator on the GPU (zeros without CUDA) and the
+    process's resident memory."""
+    cuda = torch.cuda.is_available()
+    return dict(peak_gpu_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0,
+                peak_gpu_reserved_gb=torch.cuda.max_memory_reserved() / 1e9 if cuda else 0.0,
+                gpu_alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0,
+                host_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6)
 
 
 def expandable_segments_in_use() -> bool | None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import resource
 import statistics
 import sys
 import time
@@ -312,7 +311,7 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
 
     import lightning_zoff  # noqa: F401
     from zoffbench.data import RandomTokens, TextTokens
-    from zoffbench.recorders import WindowTimer, expandable_segments_in_use
+    from zoffbench.recorders import WindowTimer, expandable_segments_in_use, process_peaks
 
     cap_gpu_memory(gpu_memory_gb)
     zoff_options = parse_options(zoff_option)
@@ -329,9 +328,8 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
     run = bench_run(name, model_name, accumulate, batch, zoff_option, gpu_memory_gb, layers, checkpointing, ratio,
                     clip, seq, num_workers, data)
     if name == torchao_run.NAME:
-        family, model_kwargs = family_of(model_name, layers, seq)
-        return torchao_run.run_torchao(run, family, model_kwargs, ADAMW, data_module,
-                                       recompute=model_block(model_name, layers, seq) if checkpointing else None,
+        setting = RunSetting(name, model_name, zoff_options, layers=layers, checkpointing=checkpointing, seq=seq)
+        return torchao_run.run_torchao(run, *setting.family(), ADAMW, data_module, recompute=setting.recomputed(),
                                        accumulate=accumulate, steps=steps, warmup=warmup, batch=batch,
                                        block_size=cfg["block_size"],
                                        inexact_because=inexact_because(name, zoff_options, clip))
@@ -381,12 +379,8 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
         telemetry_median=zoff,
         gpu_gb_after_micro_backward=statistics.median(timer.after_backward) if timer.after_backward else None,
         window_peak_gpu_gb=statistics.median(timer.window_peak[measured]) if timer.window_peak else None,
-        peak_gpu_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0,
-        peak_gpu_reserved_gb=torch.cuda.max_memory_reserved() / 1e9 if torch.cuda.is_available() else 0.0,
-        gpu_alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0,
-        gpu_expandable_segments=expandable_segments_in_use(),
+        **process_peaks(), gpu_expandable_segments=expandable_segments_in_use(),
         clipped_fraction=clipped_fraction(norms[measured], clip), grad_norms=norms,
-        host_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
         setup_s=(timer.first_step_at or time.time()) - psutil.Process().create_time(), reported_at=time.time(),
         host_floor=host_floor(trainer.strategy, zoff, step_s),
         params=params, steps=timer.steps, forward=timer.forward, backward=timer.backward, zoff_options=zoff_options,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import resource
 import statistics
 import time
 from typing import Any
@@ -40,14 +39,6 @@ def refusal(clip_asked: bool, gpus: int) -> str | None:
     return None
 
 
-def _synchronized() -> float:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter()
-
-
 def run_torchao(run: Any, family: type, model_kwargs: dict[str, Any], adamw: dict[str, Any], data: Any, *,
                 recompute: type | None, accumulate: int, steps: int, warmup: int, batch: int, block_size: int,
                 inexact_because: str | None) -> dict:
@@ -70,6 +61,7 @@ def train_plainly(run: Any, family: type, model_kwargs: dict[str, Any], optimize
     import torch
 
     from zoffbench.recompute import recompute_blocks
+    from zoffbench.recorders import process_peaks, synchronized_now
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
@@ -83,20 +75,20 @@ def train_plainly(run: Any, family: type, model_kwargs: dict[str, Any], optimize
     step_s, forward, backward, exposed = [], [], [], []
     first_step_at = time.time()
     for _ in range(warmup + steps):
-        start = _synchronized()
+        start = synchronized_now()
         forward_s = backward_s = 0.0
         for index in range(accumulate):
             x, y = (t.to(device, non_blocking=True) for t in next(batches))
-            began = _synchronized()
+            began = synchronized_now()
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 loss = module.training_step((x, y), index)
-            computed = _synchronized()
+            computed = synchronized_now()
             (loss / accumulate).backward()
-            forward_s, backward_s = forward_s + computed - began, backward_s + _synchronized() - computed
-        stepping = _synchronized()
+            forward_s, backward_s = forward_s + computed - began, backward_s + synchronized_now() - computed
+        stepping = synchronized_now()
         optimizer.step()
         optimizer.zero_grad()
-        end = _synchronized()
+        end = synchronized_now()
         step_s.append(end - start)
         forward.append(forward_s)
         backward.append(backward_s)
@@ -105,17 +97,12 @@ def train_plainly(run: Any, family: type, model_kwargs: dict[str, Any], optimize
     step, fwd, bwd = (statistics.median(v[measured]) for v in (step_s, forward, backward))
     update = statistics.median(exposed[measured])
     tokens_per_s = batch * accumulate * block_size / step
-    cuda = torch.cuda.is_available()
     measurement = StepMeasurement(
         step_s_median=step, step_s_mean=statistics.fmean(step_s[measured]), devices=1, rank=0,
         tokens_per_s=tokens_per_s, model_tflops=6 * params * tokens_per_s / 1e12, forward_s=fwd, backward_s=bwd,
         exposed_optimizer_s=update, other_s=step - fwd - bwd - update, gpu_busy_fraction=(fwd + bwd) / step,
         phase_source="synchronized loop", telemetry_median={}, gpu_gb_after_micro_backward=None,
-        window_peak_gpu_gb=None,
-        peak_gpu_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0,
-        peak_gpu_reserved_gb=torch.cuda.max_memory_reserved() / 1e9 if cuda else 0.0,
-        gpu_alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0,
-        host_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+        window_peak_gpu_gb=None, **process_peaks(),
         setup_s=first_step_at - psutil.Process().create_time(), reported_at=time.time(), params=params,
         steps=step_s, forward=forward, backward=backward, zoff_options={}, memory=None,
         inexact_because=inexact_because)
