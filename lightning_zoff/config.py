@@ -41,6 +41,11 @@ class ZoffConfig:
         "auto", "with `offload`, how much of that state the GPU keeps instead, per unit: `\"auto\"` (what the host"
                 " cannot hold, then as much as a step's measured peak leaves room for), a fraction of the trained"
                 " parameters (the units the forward enters first), or `\"none\"`")
+    accelerator_update_share: str | float = option(
+        "auto", "with `offload`, the share of the host units' updates the accelerator runs after each step's decision"
+                " (their state streamed up in pieces and back, while the CPU updates the rest): `\"auto\"` (split by"
+                " the measured speed of both on a GPU; none on a CPU), a fraction of the host units' parameters, or"
+                " `\"none\"`")
     wrap_policy: ModuleClasses | None = option(
         None, "module classes that become FSDP2 units; default: the repeated children of every `nn.ModuleList`; what"
               " they leave goes to the modules with a forward that hold it (containers walked into, tied modules one"
@@ -97,6 +102,7 @@ class ZoffConfig:
             if not isinstance(getattr(self, name), bool):  # YAML's `offload: no` must not become True
                 raise TypeError(f"ZoffStrategy({name}={getattr(self, name)!r}): expected true or false.")
         set_(self, "accelerator_state", parse_accelerator_state(self.accelerator_state))
+        set_(self, "accelerator_update_share", parse_update_share(self.accelerator_update_share))
         _one_of("start_method", self.start_method, ("subprocess", "fork", "spawn", "forkserver"))
         _one_of("grad_accum_dtype", self.grad_accum_dtype, sorted(ACCUM_DTYPES))
         _one_of("optimizer_state_dtype", self.optimizer_state_dtype, ("fp32", "bf16"),
@@ -155,6 +161,19 @@ def removed_option(name: str) -> str | None:
 
 def parse_accelerator_state(value: object) -> str | float:
     """"auto", "none" or a fraction in [0, 1], as the user may write it (YAML gives strings and numbers)."""
+    return _auto_none_or_fraction(
+        "accelerator_state", value, "a fraction of the optimizer state between 0 and 1 (e.g. 0.5: the first half of"
+                                    " the model's units keep theirs on the GPU)")
+
+
+def parse_update_share(value: object) -> str | float:
+    """`accelerator_update_share` as the user may write it: "auto", "none" or a fraction in [0, 1]."""
+    return _auto_none_or_fraction(
+        "accelerator_update_share", value, "a fraction of the host units' parameters between 0 and 1 (e.g. 0.5: the"
+                                           " GPU runs about half of the host's updates each step)")
+
+
+def _auto_none_or_fraction(name: str, value: object, fraction_means: str) -> str | float:
     if isinstance(value, str) and value.strip().lower() in ("auto", "none"):
         return value.strip().lower()
     try:
@@ -162,8 +181,7 @@ def parse_accelerator_state(value: object) -> str | float:
     except (TypeError, ValueError):
         fraction = -1.0
     if isinstance(value, bool) or not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"accelerator_state={value!r}; choose 'auto', 'none' or a fraction of the optimizer state"
-                         " between 0 and 1 (e.g. 0.5: the first half of the model's units keep theirs on the GPU).")
+        raise ValueError(f"{name}={value!r}; choose 'auto', 'none' or {fraction_means}.")
     return "none" if fraction == 0.0 else fraction
 
 

@@ -32,7 +32,10 @@
    pool, or the kept spare set becomes the state and the old state the pool's). In place, the kernel writes the
    16-bit copy over the gradient it just read (`param_staging` is `grad_staging` where their layouts agree). Then
    copy the updated 16-bit shards host-to-device on a side stream into FSDP2's sharded parameters. The unit's next
-   forward waits for exactly that copy (`gate`), nothing else does.
+   forward waits for exactly that copy (`gate`), nothing else does. A share of the host's units (`update_split.py`
+   chooses them, `accelerator_update_share`) is instead updated by the accelerator: their master, moments and
+   gradient go up in pieces, the same torch ops as its own units' update them there and write FSDP2's shards, and
+   master and moments come back (`lending.py`), while the host's cores update the rest.
 A unit whose state is placed on the accelerator (`Placement.ACCELERATOR`) takes the same path there. In a window of
 one micro-batch its reduced gradient is copied over FSDP2's shards of its trained parameters (until the step a shard
 is only its master's cast), so FSDP2's reduced shard is freed at once and the accelerator holds no gradient per
@@ -57,12 +60,14 @@ import torch
 from torch import nn
 
 from lightning_zoff.offload.accounting import Traffic
-from lightning_zoff.offload.decision import StepOutcome, decide
+from lightning_zoff.offload.decision import Decision, StepOutcome, decide
 from lightning_zoff.offload.fsdp_hooks import UnitHooks, order_after_copy
 from lightning_zoff.offload.landing import GradientLanding, LandingOptions
 from lightning_zoff.offload.layout import unit_layouts, unit_shape
+from lightning_zoff.offload.lending import LentUpdates
 from lightning_zoff.offload.scheduler import HostScheduler, SparePool
-from lightning_zoff.offload.unit_state import ParamState, Phase, UnitState, build_unit_state, param_states
+from lightning_zoff.offload.unit_state import ParamState, Phase, UnitState, build_unit_state, kernel_runs, param_states
+from lightning_zoff.offload.update_split import UpdateSplit
 from lightning_zoff.offload.updates import UnitUpdates
 from lightning_zoff.optim.rules import UpdateRule, update_rule_for, warn_if_bf16_moments_cannot_decay
 from lightning_zoff.placement import Machine, MemoryPlan, Placement, StateMover, StateOptions, plan_memory
@@ -133,6 +138,8 @@ class OffloadEngine:
                                 pin=config.pin_memory)
         self.updates = UnitUpdates(self.rule, optimizer, self.traffic, self.scheduler, world_size=world_size,
                                    threads=threads, h2d_stream=h2d_stream, compute_stream=self.compute_stream)
+        self.split: UpdateSplit | None = None  # with lending: which host units the accelerator updates each step
+        self._fit_lending()
         self.landing = GradientLanding(
             self.units, LandingOptions(config.grad_sum_dtype, config.pin_memory, config.grad_accum_on == "accelerator",
                                        config.retain_gpu_grad_partition_until_step, threads),
@@ -192,15 +199,52 @@ class OffloadEngine:
             self.traffic.add(h2d_bytes=sum(p.slot.local.nbytes for unit in host_units
                                            for p, used in zip(unit.trained, decision.used[unit], strict=True) if used))
         landed = self.landing.landed_order
-        order = landed[::-1] + [u for u in units if u not in landed]
-        for unit in order:  # the next forward needs them about in the reverse of backward's order
+        order = landed[::-1] + [u for u in units if u not in landed]  # about the order the next forward needs them
+        lent = self._lent_units(order, decision, as_speculated=not outcome.skipped and outcome.clip_coef == 1.0)
+        order.sort(key=lambda unit: unit not in lent)  # queuing a lent update takes a moment; it then streams
+        for unit in order:
             unit.phase = Phase.FINALIZING
             if self.scheduler is not None and self.landing.on_worker(unit):
-                self.scheduler.finalize(functools.partial(self.updates.finalize, unit, decision))
+                self.scheduler.finalize(functools.partial(self.updates.finalize, unit, decision, unit in lent))
         for unit in order:  # the accelerator's units meanwhile, queued on its stream
             if unit.phase is Phase.FINALIZING and not self.landing.on_worker(unit):
-                self.updates.finalize(unit, decision)
+                self.updates.finalize(unit, decision, unit in lent)
         return outcome
+
+    def _lent_units(self, order: list[UnitState], decision: Decision, as_speculated: bool) -> set[UnitState]:
+        """The host units whose update the accelerator runs this step (`update_split.py`), in forward `order`: of those
+        the decision updates, not those whose kept speculation holds the update already."""
+        lent, split = self.updates.lent, self.split
+        if lent is None or split is None or decision.skipped:
+            return set()
+        split.observed(host=self.updates.take_host_timing(), lent=lent.take_seconds_per_element())
+        candidates = {unit: sum(run.numel for run in kernel_runs(unit.trained, decision.used[unit])) for unit in order
+                      if unit.placement is Placement.HOST and unit.window_grad is not None
+                      and unit.window_grad.element_size() <= lent.grad_itemsize
+                      and not (as_speculated and unit.speculation is not None)}
+        names = split.choose([(unit.layout.name, elements) for unit, elements in candidates.items()])
+        return {unit for unit in candidates if unit.layout.name in names}
+
+    def _fit_lending(self) -> None:
+        """Slots for the lent updates as the plan has them now (none where it lends nothing), and the split."""
+        plan, lent = self.plan, self.updates.lent
+        piece = plan.lend_piece
+        if lent is not None and lent.piece == piece:
+            return
+        if lent is not None:
+            lent.wait()
+        self.updates.lent = None
+        if not piece:
+            self.split = None
+            return
+        options = plan.options
+        grad_bytes = max(options.sum_bytes, options.param_bytes)
+        state_bytes = 4 + options.moments * options.moment_bytes
+        self.updates.lent = LentUpdates(self.rule, self.param_device, piece=piece, moments=options.moments,
+                                        moment_dtype=self.config.moment_dtype, grad_itemsize=grad_bytes)
+        if self.split is None:  # the host reads and writes the state, reads the gradient, writes the 16-bit copy
+            host_bytes = 2 * state_bytes + grad_bytes + options.param_bytes
+            self.split = UpdateSplit(options.update_share, host_bytes=host_bytes, up_bytes=state_bytes + grad_bytes)
 
     # -- the next forward: each unit waits for its own update -----------------------------------------------
 
@@ -224,6 +268,8 @@ class OffloadEngine:
         """Block until no update is in flight: the state and the accelerator's shards are this step's."""
         if self.scheduler is not None:
             self.scheduler.wait_idle()
+        if self.updates.lent is not None:
+            self.updates.lent.wait()
         for unit in self.units:
             if unit.params_copied is not None:
                 unit.params_copied.synchronize()
@@ -240,7 +286,9 @@ class OffloadEngine:
         return self.mover.report()
 
     def held_bytes(self) -> dict[str, int]:
-        return self.mover.held_bytes()
+        """What the engine's tensors hold now: per side, and the lent updates' slots (`MemoryPlan.lend_slots_bytes`)."""
+        lent = self.updates.lent
+        return {**self.mover.held_bytes(), "lend_slots": 0 if lent is None else lent.nbytes}
 
     # -- state, for checkpoints and the next fit ------------------------------------------------------------
 
@@ -270,7 +318,9 @@ class OffloadEngine:
     def move(self, names: Sequence[str], placement: Placement) -> list[str]:
         """Move the named units' state to `placement` (exact copies, after any update in flight); the names moved."""
         self.wait_idle()
-        return self.mover.move(names, placement)
+        moved = self.mover.move(names, placement)
+        self._fit_lending()
+        return moved
 
     @torch.no_grad()
     def abandon_window(self) -> None:
@@ -293,14 +343,18 @@ class OffloadEngine:
         """Move state back to the host after the accelerator ran out of memory (`StateMover.make_room`), between steps
         or after `abandon_window`; the names moved."""
         self.wait_idle()
-        return self.mover.make_room()
+        moved = self.mover.make_room()
+        self._fit_lending()
+        return moved
 
     def place_by_peak(self, peak: int, more: bool = True) -> tuple[list[str], list[str]]:
         """After a step whose accelerator memory peaked at `peak` bytes: units to the accelerator or back
         (`StateMover.place_by_peak`), in the forward order the first forward showed; the names moved (there, back)."""
         self.wait_idle()
         self._take_seen_forward()
-        return self.mover.place_by_peak(peak, self.forward_order, more)
+        moved = self.mover.place_by_peak(peak, self.forward_order, more)
+        self._fit_lending()
+        return moved
 
     def _take_seen_forward(self) -> None:
         seen, self._seen_forward = self._seen_forward or [], None

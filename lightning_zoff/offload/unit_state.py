@@ -133,6 +133,7 @@ class UnitState:
     device_sum: torch.Tensor | None = None  # the window's sum on the accelerator (accumulate_on_accelerator)
     grad_copied: torch.cuda.Event | None = None
     params_copied: torch.cuda.Event | None = None
+    state_back: torch.cuda.Event | None = None  # the accelerator ran its last update: master and moments are back then
     staging_free: threading.Event = field(default_factory=threading.Event)  # grad_staging may be overwritten
 
     @property

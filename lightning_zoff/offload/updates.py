@@ -13,6 +13,7 @@ import torch
 from lightning_zoff.offload.accounting import Traffic
 from lightning_zoff.offload.decision import Decision
 from lightning_zoff.offload.fsdp_hooks import record_event
+from lightning_zoff.offload.lending import LentUpdates
 from lightning_zoff.offload.scheduler import HostScheduler
 from lightning_zoff.offload.unit_state import Phase, TrainedParam, UnitState, UpdateKey, kernel_runs
 from lightning_zoff.optim.rules import GroupHyperparams, UpdateRule
@@ -25,11 +26,13 @@ class UnitUpdates:
     """Runs units' updates with the `rule` and the current hyperparameters of `optimizer`'s param groups: on the host
     with the fused kernels (`threads` of them), on the accelerator with torch ops in bounded pieces. `scheduler`: the
     worker with overlap (None without, and once the engine detached); `h2d_stream` carries the host's 16-bit shards up,
-    `compute_stream` is the training loop's."""
+    `compute_stream` is the training loop's; `lent`: the accelerator's runs of host units' updates, where it takes a
+    share of them (`lending.py`)."""
 
     def __init__(self, rule: UpdateRule, optimizer: torch.optim.Optimizer, traffic: Traffic,
                  scheduler: HostScheduler | None, *, world_size: int, threads: int | None,
-                 h2d_stream: torch.cuda.Stream | None, compute_stream: torch.cuda.Stream | None) -> None:
+                 h2d_stream: torch.cuda.Stream | None, compute_stream: torch.cuda.Stream | None,
+                 lent: LentUpdates | None = None) -> None:
         self.rule = rule
         self.optimizer = optimizer
         self.traffic = traffic
@@ -38,6 +41,8 @@ class UnitUpdates:
         self.threads = threads
         self.h2d_stream = h2d_stream
         self.compute_stream = compute_stream
+        self.lent = lent
+        self._host_timing = (0.0, 0)  # the host's decided updates since the last `take_host_timing`: seconds, elements
 
     def hyper(self) -> tuple[GroupHyperparams, ...]:
         return tuple(GroupHyperparams.of(g) for g in self.optimizer.param_groups)
@@ -56,7 +61,9 @@ class UnitUpdates:
         return UpdateKey(scale, runs, tuple(hyper[run.group_index] for run in runs))
 
     @torch.no_grad()
-    def finalize(self, unit: UnitState, decision: Decision) -> None:
+    def finalize(self, unit: UnitState, decision: Decision, lend: bool = False) -> None:
+        """Make the decided update the unit's state and send its parameters on; `lend`: the accelerator runs it
+        (`lending.py`), unless a kept speculation already holds it."""
         assert unit.phase is Phase.FINALIZING, "a unit finalized outside its step"
         try:
             if not decision.skipped:
@@ -64,6 +71,12 @@ class UnitUpdates:
                 outcome = None if self.scheduler is None else self.scheduler.judge(unit, key)
                 if outcome is not None:
                     self.traffic.add(**{f"speculations_{outcome}": 1})
+                if outcome != "kept" and lend:
+                    assert self.lent is not None
+                    self.lent.update(unit, key)
+                    self.traffic.add(lent_units=1)
+                    self._count_steps(unit, decision.used[unit])  # its parameters are in the shards already
+                    return
                 if outcome != "kept":
                     self.update(unit, key)
                 self._commit(unit, decision.used[unit])
@@ -83,6 +96,8 @@ class UnitUpdates:
         on_host = unit.placement is Placement.HOST
         if on_host and unit.params_copied is not None:  # param_staging still feeds the last step's copy
             unit.params_copied.synchronize()
+        if unit.state_back is not None:  # the accelerator ran its last update: the state is coming back
+            unit.state_back.synchronize()
         if unit.grad_in_shards:
             self._update_from_shards(unit, key)
             return
@@ -103,7 +118,16 @@ class UnitUpdates:
                        out=None if out is None else out[s:e],
                        into=None if spare is None else tuple(t[s:e] for t in spare.state), threads=self.threads,
                        on_host=on_host)
-        self.traffic.add(cpu_update_s=time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.traffic.add(cpu_update_s=seconds)
+        if on_host and spare is None:  # a decided update: what the split weighs against the accelerator's
+            total, elements = self._host_timing
+            self._host_timing = (total + seconds, elements + sum(run.numel for run in key.runs))
+
+    def take_host_timing(self) -> tuple[float, int] | None:
+        """The host's decided updates since the last call: seconds per element and the elements; None if none ran."""
+        (seconds, elements), self._host_timing = self._host_timing, (0.0, 0)
+        return (seconds / elements, elements) if elements else None
 
     def _update_from_shards(self, unit: UnitState, key: UpdateKey) -> None:
         """The update of an accelerator unit whose gradient is in FSDP2's shards (`grad_in_shards`): each parameter of
@@ -121,11 +145,17 @@ class UnitUpdates:
                            None if len(state) == 2 else state[2][s:e], grad_scale=key.scale, threads=self.threads,
                            on_host=False)
 
-    def _commit(self, unit: UnitState, used: list[bool]) -> None:
-        """Make the update the state, then send the updated 16-bit shards to the accelerator."""
+    @staticmethod
+    def _count_steps(unit: UnitState, used: list[bool]) -> list[TrainedParam]:
+        """The parameters the step updated, each counting one more step."""
         updated = [p for p, is_used in zip(unit.trained, used, strict=True) if is_used]
         for param in updated:
             param.step += 1
+        return updated
+
+    def _commit(self, unit: UnitState, used: list[bool]) -> None:
+        """Make the update the state, then send the updated 16-bit shards to the accelerator."""
+        updated = self._count_steps(unit, used)
         if unit.spare is None:  # every trained shard when they held the gradient
             self.send(unit, unit.trained if unit.grad_in_shards else updated, unit.param_staging, non_blocking=True)
             return

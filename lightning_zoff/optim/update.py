@@ -56,7 +56,7 @@ def _torch_update(rule, hp, step, param, grad, exp_avg, exp_avg_sq, grad_scale, 
         for moment, updated in zip(moments, fp32, strict=True):
             moment.copy_(updated)
         return
-    g = grad.float() * grad_scale
+    g = grad.to(torch.float32, copy=True).mul_(grad_scale)  # one fp32 temporary (the plan's workspace), not two
     if hp.maximize:
         g.neg_()
     if rule is UpdateRule.LION:

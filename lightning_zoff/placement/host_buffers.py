@@ -23,6 +23,7 @@ import mmap
 import resource
 import sys
 import warnings
+import weakref
 
 import torch
 
@@ -42,6 +43,7 @@ if _libc is not None:
     _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 _live: dict[int, int] = {}  # start -> length of every mapping alive: `mapped_ranges`
+_mappings: weakref.WeakValueDictionary[int, _Pages] = weakref.WeakValueDictionary()  # start -> mapping: `pin_later`
 
 
 def _memlock_limit() -> str:
@@ -66,6 +68,20 @@ def host_empty(numel: int, dtype: torch.dtype, device: torch.device, pin: bool) 
         if error is not None:
             _warn_pageable(error)
     return tensor
+
+
+def pin_later(tensor: torch.Tensor) -> None:
+    """Pin the mapping that holds `tensor` (made by `host_empty`), if it is not yet and the OS allows it: for state
+    that only sometimes crosses PCIe (a host unit whose update the accelerator runs), pinned when it first does. A
+    tensor of another origin stays as it is."""
+    if not torch.cuda.is_available() or tensor.device.type != "cpu":
+        return
+    address = tensor.untyped_storage().data_ptr()
+    pages = _mappings.get(address)
+    if pages is not None and not pages.registered:
+        error = pages.register()
+        if error is not None:
+            _warn_pageable(error)
 
 
 def mapped_ranges() -> list[tuple[int, int]]:
@@ -125,7 +141,9 @@ def _map(nbytes: int) -> _Pages:
         _warn_inherited(f"madvise(MADV_DONTFORK) failed with errno {ctypes.get_errno()}")
     _libc.madvise(start, length, _MADV_HUGEPAGE)  # best effort: the memory works the same without
     _live[start] = length
-    return _pages_type(length).from_address(start)
+    pages = _pages_type(length).from_address(start)
+    _mappings[start] = pages
+    return pages
 
 
 def _warn_inherited(why: str) -> None:

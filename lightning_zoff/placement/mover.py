@@ -152,7 +152,7 @@ def relocate(unit: UnitState, placement: Placement, device: torch.device, *, gra
     except BaseException:  # out of memory on the way: the unit stays as it was
         unit.state, unit.placement, unit.grad_sum, unit.grad_staging, unit.param_staging = before
         raise
-    unit.grad_copied = unit.params_copied = None
+    unit.grad_copied = unit.params_copied = unit.state_back = None
 
 
 def make_buffers(unit: UnitState, device: torch.device, *, sums_windows: bool, grad_sum_dtype: torch.dtype,

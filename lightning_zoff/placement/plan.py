@@ -13,8 +13,10 @@ A unit's optimizer state lives on one side (`Placement`). What it costs there, b
   AdamW moments at bf16, 10 with bf16 moments, plus 4 for ``grad_sum``; a host unit leaves 2 on the accelerator.
 Beside the units: on the host, overlap's spare sets (each a unit's state and 16-bit copy, lent to one speculating unit
 at a time; as many as the host has room for, at most one per two host units); on the accelerator, transients: the
-update's fp32 workspace (it runs in pieces of at most `UPDATE_PIECE` elements) and, with the window's sum on the
-accelerator, that sum (one unit's, or every host unit's when retained).
+update's fp32 workspace (it runs in pieces of at most `UPDATE_PIECE` elements), with the window's sum on the
+accelerator, that sum (one unit's, or every host unit's when retained), and where it runs a share of the host's
+updates (`accelerator_update_share`), the slots their pieces pass through: `LEND_SLOTS` pieces of master, moments and
+gradient of at most `LEND_PIECE` elements, and one piece's update workspace.
 
 The engine allocates exactly this (`mover.make_buffers`; a test compares its tensors with the plan, per side), the
 budget checks read it, the policy (`policy.py`) places units with it, and the memory report prints it. The policy's
@@ -36,6 +38,8 @@ if TYPE_CHECKING:
     from lightning_zoff.config import ZoffConfig
 
 UPDATE_PIECE = 1 << 26  # elements an accelerator-side update converts to fp32 at once (256 MiB of workspace)
+LEND_PIECE = 1 << 25  # elements of a host unit's state that go up to the accelerator at once (448 MiB with fp32 Adam)
+LEND_SLOTS = 3  # pieces in flight: one going up, one updated, one coming back
 
 
 class Placement(enum.Enum):
@@ -62,6 +66,7 @@ class StateOptions:
     sum_on_accelerator: bool = False  # host units' window sums live on the accelerator between micro-batches
     retain_device_sum: bool = False  # ... for the whole window, every unit's at once
     speculates: bool = True  # host units update during backward, into the host's spare sets
+    update_share: str | float = "none"  # of the host's updates the accelerator runs: "auto", "none" or a fraction
 
     @classmethod
     def of(cls, config: ZoffConfig, *, param_bytes: int, moments: int, sums_windows: bool) -> StateOptions:
@@ -71,7 +76,8 @@ class StateOptions:
                    sum_bytes=config.grad_sum_dtype.itemsize if sums_windows else 0,
                    sum_on_accelerator=config.grad_accum_on == "accelerator",
                    retain_device_sum=config.retain_gpu_grad_partition_until_step,
-                   speculates=config.host_worker)
+                   speculates=config.host_worker, update_share=config.accelerator_update_share if config.offload
+                   else "none")
 
     def state_bytes(self, trained: int) -> int:
         return trained * (4 + self.moments * self.moment_bytes)
@@ -85,6 +91,11 @@ class StateOptions:
         moments; for one piece of at most `UPDATE_PIECE` elements."""
         per_element = 4 * (1 + (1 if lion else 0) + (self.moments if self.moment_bytes != 4 else 0))
         return per_element * min(trained, UPDATE_PIECE)
+
+    def lend_slot_bytes(self, elements: int) -> int:
+        """One slot a lent update's piece of `elements` passes through: its master, moments and gradient (in the
+        window sum's dtype or the model's)."""
+        return elements * (4 + self.moments * self.moment_bytes + max(self.sum_bytes, self.param_bytes))
 
 
 def unit_buffers(shape: UnitShape, options: StateOptions, placement: Placement) -> dict[str, int]:
@@ -137,15 +148,38 @@ class MemoryPlan:
         return self.state_on(Placement.HOST) + self.spare_sets * self.spare_set_bytes()
 
     @property
+    def lends(self) -> bool:
+        """The accelerator runs a share of the host units' updates: a fraction asked for, or "auto" on a GPU."""
+        share = self.options.update_share
+        return isinstance(share, float) or (share == "auto" and self.machine.accelerator_capacity is not None)
+
+    @property
+    def lend_piece(self) -> int:
+        """Elements of a lent update's piece: `LEND_PIECE`, or the largest host unit's state where that is less; 0
+        when nothing is lent."""
+        largest = max((s.trained for s in self.units_on(Placement.HOST)), default=0)
+        return min(LEND_PIECE, largest) if self.lends else 0
+
+    @property
+    def lend_slots_bytes(self) -> int:
+        """The slots lent updates pass through, on the accelerator (`offload/lending.py` allocates them)."""
+        return LEND_SLOTS * self.options.lend_slot_bytes(self.lend_piece)
+
+    @property
+    def lending_bytes(self) -> int:
+        """The slots and one piece's update workspace."""
+        return self.lend_slots_bytes + self.options.workspace_bytes(self.lend_piece, self.lion)
+
+    @property
     def accelerator_transient_bytes(self) -> int:
-        """The update's workspace and the window's sums on the accelerator, at most at once."""
+        """The update's workspace, the window's sums on the accelerator and the lent updates' slots, at most at once."""
         on_accelerator = self.units_on(Placement.ACCELERATOR)
         workspace = max((self.options.workspace_bytes(s.trained, self.lion) for s in on_accelerator), default=0)
         sums = 0
         if self.options.sum_on_accelerator and self.options.sum_bytes:
             host_sums = [4 * s.reduced for s in self.units_on(Placement.HOST)]
             sums = sum(host_sums) if self.options.retain_device_sum else max(host_sums, default=0)
-        return workspace + sums
+        return workspace + sums + self.lending_bytes
 
     @property
     def accelerator_bytes(self) -> int:
@@ -227,6 +261,7 @@ class MemoryPlan:
             "loader_workers": self.machine.loader_workers,
             "accelerator_optimizer_state": self.state_on(Placement.ACCELERATOR),
             "accelerator_transient": self.accelerator_transient_bytes,
+            "accelerator_lending": self.lending_bytes,
             "accelerator_model": self.model_bytes,
             "host_bytes_per_trained_param": self.host_bytes / max(1, sum(s.trained for s in host)),
         }

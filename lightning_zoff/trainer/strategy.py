@@ -62,6 +62,7 @@ class ZoffStrategy(FrontDoor, ParallelStrategy):
         *,
         offload: bool = True,
         accelerator_state: Literal["auto", "none"] | float = "auto",
+        accelerator_update_share: Literal["auto", "none"] | float = "auto",
         wrap_policy: set[type[nn.Module]] | list[type[nn.Module]] | None = None,
         activation_checkpointing_policy: set[type[nn.Module]] | list[type[nn.Module]] | Literal["auto"] | None = "auto",
         start_method: StartMethod = "subprocess",

@@ -24,6 +24,9 @@ for stage in "$@"; do
     suite) timeout 200 python3 -m pytest -q -x tests/test_kernels.py tests/test_optim.py tests/test_training.py 2>&1 | tail -6 | tee "$OUT/pytest.txt" ;;
     kquick) timeout 120 python3 -m pytest -q -x tests/test_kernels.py -k "bf16_moments or agree or into" 2>&1 | tail -3 | tee "$OUT/kernels_quick.txt" ;;
     reference) timeout 150 python3 scripts/checks/check_reference.py --steps 30 --out "$OUT/reference_check.json" 2>&1 | grep -v "^INFO\|Tip\|available:" | tail -40 | tee "$OUT/reference_check.txt" ;;
+    reference_lent)  # every host unit's update run by the GPU (lending), against the same fp32 CPU reference
+      timeout 150 python3 scripts/checks/check_reference.py --steps 30 --option accelerator_state="'none'" \
+          --option accelerator_update_share=1.0 --out "$OUT/reference_check_lent.json" 2>&1 | grep -v "^INFO\|Tip\|available:" | tail -12 | tee "$OUT/reference_check_lent.txt" ;;
     kernels) timeout 240 python3 scripts/bench/bench_kernels.py --params 500e6 --out "$OUT/kernels.json" 2>&1 | grep -v "^INFO" | tail -25 | tee "$OUT/kernels.txt" ;;
     train) timeout 150 python3 scripts/train.py trainer.max_steps=60 hydra.run.dir=/tmp/train_run 2>&1 | grep -v "^INFO" | tail -25 | tee "$OUT/train.txt"; cp /tmp/train_run/loss.png "$OUT/" 2>/dev/null ;;
     overlap) timeout 200 python3 scripts/checks/check_overlap.py --steps 12 --out "$OUT/overlap_check.json" 2>&1 | grep -v "^INFO\|Tip\|available:" | tail -30 | tee "$OUT/overlap_check.txt" ;;
@@ -148,11 +151,13 @@ for stage in "$@"; do
         case $part in
           llama_b1) users llama3_8b 1 $steps 2 $(( 150 + (steps + 2) * 6 )) zoff ;;
           llama_b4) users llama3_8b 4 $steps 2 $(( 150 + (steps + 2) * 10 )) zoff ;;
+          # the accelerator's share of the host's updates against the host's cores alone, same code, one call
+          llama_b1_share) users llama3_8b 1 $steps 2 $(( 150 + (steps + 2) * 6 )) zoff zoff_no_update_share ;;
           # fp32 moments: 207 GB of host state, refused at setup by the plan in one line; bf16 moments: 148 GB
           qwen14b) users qwen3_14b 1 $steps 2 $(( 240 + (steps + 2) * 12 )) zoff zoff_bf16_moments ;;
           # DeepSpeedCPUAdam's fp32 state for 8B on a 128 GB host: expected to die of host memory (outcome host_oom)
           deepspeed) users llama3_8b 1 2 1 400 deepspeed_zero3_offload ;;
-          *) echo "users_launch: unknown part $part (llama_b1 llama_b4 qwen14b deepspeed)" ;;
+          *) echo "users_launch: unknown part $part (llama_b1 llama_b4 llama_b1_share qwen14b deepspeed)" ;;
         esac
       done ;;
     peers)  # the peers at their own headline configurations (issue 53), each part one bench call and one JSON, every

@@ -14,17 +14,17 @@ import json
 import time
 from pathlib import Path
 
-from zoffbench.harness import call
+from zoffbench.harness import call, parse_options
 
 MODEL = dict(vocab_size=256, block_size=256, n_layer=6, n_head=8, n_embd=384, lr=1e-3, weight_decay=0.1)
 
 
-def run_side(side: str, steps: int) -> dict:
+def run_side(side: str, steps: int, options: dict | None = None) -> dict:
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.strategies import DDPStrategy
 
-    import lightning_zoff  # noqa: F401
+    import lightning_zoff
     from lightning_zoff.examples.corpus import CorpusDataModule
     from lightning_zoff.examples.gpt import GPTModule
     from zoffbench.recorders import StepRecorder
@@ -37,7 +37,8 @@ def run_side(side: str, steps: int) -> dict:
         kwargs = dict(accelerator="cpu", devices=1, strategy=DDPStrategy(), precision="32-true")
     else:
         accel = "gpu" if torch.cuda.is_available() else "cpu"
-        kwargs = dict(accelerator=accel, devices=1, strategy="zoff", precision="bf16-mixed")
+        kwargs = dict(accelerator=accel, devices=1, strategy=lightning_zoff.ZoffStrategy(**(options or {})),
+                      precision="bf16-mixed")
     trainer = pl.Trainer(max_steps=steps, gradient_clip_val=1.0, callbacks=[losses], logger=False,
                          enable_checkpointing=False, limit_val_batches=0, enable_progress_bar=False, **kwargs)
     start = time.perf_counter()
@@ -52,9 +53,9 @@ def run_side(side: str, steps: int) -> dict:
     return result
 
 
-def compare(steps: int) -> dict:
-    """Both sides' losses, their largest relative difference, the timings and zoff's memory."""
-    sides = {side: call(run_side, side=side, steps=steps)[0] for side in ("reference", "zoff")}
+def compare(steps: int, options: dict | None = None) -> dict:
+    """Both sides' losses, their largest relative difference, the timings and zoff's memory; `options`: zoff's."""
+    sides = {side: call(run_side, side=side, steps=steps, options=options)[0] for side in ("reference", "zoff")}
     ref, zoff = sides["reference"]["losses"], sides["zoff"]["losses"]
     rel = [abs(z - r) / r for r, z in zip(ref, zoff, strict=True)]
     return {
@@ -62,7 +63,7 @@ def compare(steps: int) -> dict:
         "reference_seconds": sides["reference"]["seconds"], "zoff_seconds": sides["zoff"]["seconds"],
         "zoff_memory": sides["zoff"]["memory"], "cuda_peak_allocated": sides["zoff"].get("cuda_peak_allocated"),
         "num_params": sides["zoff"].get("num_params"), "model": MODEL, "reference": ref, "zoff": zoff,
-        "rel_diff": rel, "device": sides["zoff"]["device"],
+        "rel_diff": rel, "device": sides["zoff"]["device"], "zoff_options": options or {},
     }
 
 
@@ -70,8 +71,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--out", type=Path, default=Path("ref_check.json"))
+    parser.add_argument("--option", action="append", default=[], help="ZoffStrategy option key=value (repeatable)")
     args = parser.parse_args()
-    summary = compare(args.steps)
+    summary = compare(args.steps, parse_options(args.option))
     ref, zoff, rel = summary["reference"], summary["zoff"], summary["rel_diff"]
     zoff_column = f"zoff bf16-mixed ({summary['device']})"
     print(f"{'step':>5} {'reference fp32 (cpu)':>22} {zoff_column:>26} {'rel diff':>9}")

@@ -1,0 +1,148 @@
+"""The accelerator runs a share of the host units' updates (`accelerator_update_share`): after the step's decision, a
+lent unit's fp32 master, moments and window gradient go up in pieces, the accelerator updates each piece with the torch
+ops its own units use, writes the updated parameters into FSDP2's shards and sends master and moments back down, while
+the host's cores update the other units.
+
+Why: the host's update is paced by its cores' memory bandwidth (0.29 ns per element with fp32 Adam moments on the
+16-core H100 box), and a clipped step cannot start it before backward ends, so it is exposed. PCIe beside it carries
+55 GB/s each way: a lent element costs 14 B up and 12 B down (fp32 moments, a 16-bit gradient) and no host core.
+`update_split.py` chooses which units go, from the measured speed of both sides.
+
+The pieces pass through `LEND_SLOTS` slots planned on the accelerator (`MemoryPlan.lending_bytes`), on three streams so
+PCIe works both ways at once: a piece goes up on `up` once its slot's last piece is back, is updated on `compute`,
+comes back on `down`. The host keeps the state: a lent unit's buffers stay its own (pinned the first time they are
+lent); `UnitState.state_back` marks the end of their copy back, which every host reader waits for.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from lightning_zoff.offload.fsdp_hooks import record_event
+from lightning_zoff.offload.unit_state import TrainedParam, UnitState, UpdateKey
+from lightning_zoff.optim.rules import UpdateRule
+from lightning_zoff.optim.update import update
+from lightning_zoff.placement.host_buffers import pin_later
+from lightning_zoff.placement.plan import LEND_SLOTS
+
+
+@dataclass
+class _Slot:
+    """Room on the accelerator for one piece: master, moments and the gradient's bytes (viewed as its dtype)."""
+
+    state: list[torch.Tensor]
+    grad_bytes: torch.Tensor  # uint8
+    back: torch.cuda.Event | None = None  # the last piece that used it is back on the host
+
+
+class LentUpdates:
+    """Runs host units' updates on `device` in pieces of at most `piece` elements (the plan's `lend_piece`)."""
+
+    def __init__(self, rule: UpdateRule, device: torch.device, *, piece: int, moment_dtype: torch.dtype, moments: int,
+                 grad_itemsize: int) -> None:
+        self.rule = rule
+        self.device = device
+        self.piece = piece
+        self.grad_itemsize = grad_itemsize  # the widest gradient a slot holds: a unit's wider one stays on the host
+        on_cuda = device.type == "cuda"
+        self.up = torch.cuda.Stream(device) if on_cuda else None
+        self.compute = torch.cuda.Stream(device) if on_cuda else None
+        self.down = torch.cuda.Stream(device) if on_cuda else None
+        dtypes = [torch.float32] + [moment_dtype] * moments
+        self._slots = [_Slot([torch.empty(piece, dtype=d, device=device) for d in dtypes],
+                             torch.empty(piece * grad_itemsize, dtype=torch.uint8, device=device))
+                       for _ in range(LEND_SLOTS)]
+        self._next = 0
+        # the lent updates of a step, not yet read: (first piece going up, last one back, elements)
+        self.timing: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for slot in self._slots for t in [*slot.state, slot.grad_bytes])
+
+    @torch.no_grad()
+    def update(self, unit: UnitState, key: UpdateKey) -> None:
+        """The unit's update for `key` on the accelerator: the host's master and moments are read and written back,
+        the updated parameters land in FSDP2's shards of the runs' parameters. Returns once it is queued; records
+        `unit.params_copied` (the shards are written) and `unit.state_back` (the host's state is whole again)."""
+        grad = unit.window_grad
+        assert grad is not None
+        for tensor in [*unit.state, grad]:
+            pin_later(tensor)
+        first = self._timing_event(self.up)
+        if unit.state_back is not None and self.up is not None:
+            self.up.wait_event(unit.state_back)  # its last lent update's state is back before it goes up again
+        elements = 0
+        for run, hyper in zip(key.runs, key.hyper, strict=True):
+            in_run = [p for p in unit.trained if run.state_start <= p.state_offset < run.state_start + run.numel]
+            for offset in range(0, run.numel, self.piece):
+                n = min(self.piece, run.numel - offset)
+                start, g0 = run.state_start + offset, run.grad_start + offset
+                slot = self._slots[self._next]
+                self._next = (self._next + 1) % len(self._slots)
+                with self._on(self.up):
+                    if slot.back is not None and self.up is not None:
+                        self.up.wait_event(slot.back)
+                    state = [s[:n] for s in slot.state]
+                    for there, here in zip(state, unit.state, strict=True):
+                        there.copy_(here[start : start + n], non_blocking=True)
+                    g = slot.grad_bytes[: n * grad.element_size()].view(grad.dtype)
+                    g.copy_(grad[g0 : g0 + n], non_blocking=True)
+                    loaded = record_event(self.up)
+                with self._on(self.compute):
+                    if loaded is not None and self.compute is not None:
+                        self.compute.wait_event(loaded)
+                    update(self.rule, hyper, run.step, state[0], g, state[1], None if len(state) == 2 else state[2],
+                           grad_scale=key.scale, on_host=False)
+                    _write_params(unit, in_run, state[0], start, start + n)
+                    updated = record_event(self.compute)
+                with self._on(self.down):
+                    if updated is not None and self.down is not None:
+                        self.down.wait_event(updated)
+                    for here, there in zip(unit.state, state, strict=True):
+                        here[start : start + n].copy_(there, non_blocking=True)
+                    slot.back = record_event(self.down)
+                elements += n
+        unit.params_copied = record_event(self.compute)
+        unit.state_back = record_event(self.down)
+        last = self._timing_event(self.down)
+        if first is not None and last is not None:
+            self.timing.append((first, last, elements))
+
+    def take_seconds_per_element(self) -> tuple[float, int] | None:
+        """The lent updates queued since the last call, once all ended: seconds from the first piece going up to the
+        last coming back, per element, and the elements; None while some run or when none were queued."""
+        if not self.timing or not self.timing[-1][1].query():
+            return None
+        timing, self.timing = self.timing, []
+        elements = sum(n for _, _, n in timing)
+        return timing[0][0].elapsed_time(timing[-1][1]) / 1e3 / max(1, elements), elements
+
+    def wait(self) -> None:
+        """Block until every lent update is back on the host."""
+        if self.down is not None:
+            self.down.synchronize()
+
+    def _on(self, stream: torch.cuda.Stream | None):  # type: ignore[no-untyped-def]
+        return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
+    @staticmethod
+    def _timing_event(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+        if stream is None:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+
+def _write_params(unit: UnitState, params: list[TrainedParam], master: torch.Tensor, start: int, end: int) -> None:
+    """Cast the rows [start, end) of the unit's master (`master` holds exactly those) into FSDP2's shards of the
+    parameters whose rows they cover (a parameter's padding has no shard)."""
+    for param in params:
+        lo, hi = max(start, param.state_offset), min(end, param.state_offset + param.slot.numel)
+        if lo < hi:
+            local = param.slot.local.view(-1)
+            local[lo - param.state_offset : hi - param.state_offset].copy_(master[lo - start : hi - start])

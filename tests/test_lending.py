@@ -1,0 +1,122 @@
+"""The accelerator runs a share of the host units' updates (`accelerator_update_share`, offload/lending.py): training
+matches DDP, the lent updates give the bits of the accelerator's own units, the split is the one asked for, and the
+slots are the plan's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+
+import helpers.trainer
+from helpers.compare import rel_err
+from helpers.tiny import token_loader
+from helpers.tiny_module import TinyModule, read_probe
+from lightning_zoff import ZoffStatsMonitor, ZoffStrategy
+from lightning_zoff.config import ZoffConfig
+from lightning_zoff.offload.update_split import UpdateSplit
+from lightning_zoff.placement import Machine, Placement, StateOptions, UnitShape, plan_memory
+from lightning_zoff.placement.plan import LEND_PIECE, LEND_SLOTS
+
+
+def fit(out, strategy, *, precision="32-true", accumulate=2, max_steps=8, clip=0.84):
+    import lightning.pytorch as pl
+
+    pl.seed_everything(7)
+    module = TinyModule()
+    helpers.trainer.fit(module, token_loader(batch_size=4), strategy, out=out, devices=2, precision=precision,
+                        max_steps=max_steps, accumulate=accumulate, clip=clip, callbacks=[ZoffStatsMonitor()])
+    return module
+
+
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_lent_updates_match_ddp(tmp_path, share):
+    # 32-true, windows of two micro-batches (the fp32 window sum goes up), some steps clipped
+    ddp, zoff = tmp_path / "ddp", tmp_path / "zoff"
+    ddp.mkdir()
+    zoff.mkdir()
+    fit(ddp, DDPStrategy(start_method="fork"))
+    fit(zoff, ZoffStrategy(start_method="fork", accelerator_state="none", accelerator_update_share=share))
+    got, want = read_probe(zoff), read_probe(ddp)
+    assert rel_err(got["losses"], want["losses"]) < 1e-5
+    assert min(got["clip_coefs"]) < 1.0 == max(got["clip_coefs"])
+    assert got["telemetry"]["zoff/lent_units"] > 0  # the last step lent some of the four host units
+    assert got["placements"] == dict.fromkeys(got["placements"], "host")  # lent for a step, the state stays home
+    assert got["held"]["lend_slots"] == got["planned"]["lend_slots"] > 0  # the slots are the plan's
+    assert got["memory"]["accelerator_lending"] > got["planned"]["lend_slots"]  # and one piece's workspace
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_lent_updates_give_the_bits_of_the_accelerators_own_units(tmp_path, accumulate):
+    # the same torch ops on the same values: a host unit updated on the accelerator equals one that lives there.
+    # Unclipped: the gradient's norm is summed by the host's kernel for host units, by torch ops for the accelerator's,
+    # and the two sums may differ in their last bit (a clipped step's factor with them). Without overlap: with it,
+    # host units speculate during backward with the host's kernel, and an unclipped step keeps that update
+    lent, own = tmp_path / "lent", tmp_path / "own"
+    lent.mkdir()
+    own.mkdir()
+    lent_module = fit(lent, ZoffStrategy(start_method="fork", accelerator_state="none", accelerator_update_share=1.0,
+                                         overlap=False, weights_to_main_process=True),
+                      precision="bf16-true", accumulate=accumulate, clip=None)
+    own_module = fit(own, ZoffStrategy(start_method="fork", accelerator_state=1.0, weights_to_main_process=True),
+                     precision="bf16-true", accumulate=accumulate, clip=None)
+    assert read_probe(lent)["losses"] == read_probe(own)["losses"]
+    for a, b in zip(lent_module.state_dict().values(), own_module.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_split_gives_each_unit_to_the_side_that_finishes_it_first():
+    split = UpdateSplit("auto", host_bytes=28, up_bytes=14)
+    split.host_s, split.lent_s = 1.0, 2.0  # the accelerator takes twice as long per element
+    # a: host done at 10 (lent would be 20); b: host 20 (lent 20 is not sooner); c: lent 20 < host 30; d: host 30
+    assert split.choose([("a", 10), ("b", 10), ("c", 10), ("d", 10)]) == {"c"}
+    split.observed(host=(3.0, 100), lent=(0.0, 100))  # averaged with the last: host 2, accelerator 1 per element
+    assert (split.host_s, split.lent_s) == (2.0, 1.0)
+    assert split.choose([("a", 10), ("b", 10), ("c", 10)]) == {"a", "c"}  # a: lent 10 < 20; b: host 20 < 20 + 10
+
+
+@pytest.mark.parametrize("share", [0.25, 0.5, 0.75])
+def test_a_fraction_lends_that_share_of_the_elements(share):
+    units = [(f"u{i}", 100) for i in range(40)]
+    lent = UpdateSplit(share, host_bytes=28, up_bytes=14).choose(units)
+    assert abs(len(lent) / len(units) - share) <= 1 / len(units)
+    assert UpdateSplit(1.0, host_bytes=28, up_bytes=14).choose(units) == {name for name, _ in units}
+
+
+def test_a_fraction_keeps_its_split_whatever_is_measured():
+    split = UpdateSplit(0.5, host_bytes=28, up_bytes=14)
+    split.observed(host=(1.0, 10), lent=(9.0, 10))
+    assert (split.host_s, split.lent_s) == (0.5, 0.5)
+
+
+def plan_for(share, capacity=None, trained=100):
+    options = StateOptions(param_bytes=2, moment_bytes=4, moments=2, sum_bytes=0, update_share=share)
+    shapes = [UnitShape("a", trained, trained, True), UnitShape("b", trained // 2, trained // 2, True)]
+    return plan_memory(shapes, options, Machine(10**12, capacity), "none", model_bytes=0)
+
+
+def test_the_plan_holds_the_lent_updates_slots():
+    # bf16 model, fp32 Adam moments: a slot holds 4 + 8 + 2 bytes per element; the largest host unit has 100; one
+    # piece's update workspace is its fp32 gradient (4 bytes per element)
+    plan = plan_for(0.5)
+    assert plan.lend_piece == 100
+    assert plan.lend_slots_bytes == LEND_SLOTS * 100 * 14
+    assert plan.lending_bytes == LEND_SLOTS * 100 * 14 + 100 * 4
+    assert plan.accelerator_transient_bytes == plan.lending_bytes  # nothing else on the accelerator
+    assert plan_for(0.5, trained=4 * LEND_PIECE).lend_piece == LEND_PIECE  # pieces, not whole units
+    assert plan_for("none", capacity=80 * 2**30).lending_bytes == 0
+    assert plan_for("auto").lending_bytes == 0  # "auto" on a CPU: nothing to gain
+    assert plan_for("auto", capacity=80 * 2**30).lending_bytes == plan.lending_bytes
+    everything_there = plan_for(0.5).with_placement(dict.fromkeys(["a", "b"], Placement.ACCELERATOR))
+    assert everything_there.lending_bytes == 0  # no host unit, nothing to lend
+
+
+@pytest.mark.parametrize(("value", "parsed"), [("AUTO", "auto"), ("none", "none"), (0, "none"), (0.5, 0.5), ("1", 1.0)])
+def test_update_share_option(value, parsed):
+    assert ZoffConfig(accelerator_update_share=value).accelerator_update_share == parsed
+
+
+@pytest.mark.parametrize("value", [1.5, -0.1, "half", True])
+def test_update_share_refuses_what_it_cannot_mean(value):
+    with pytest.raises(ValueError, match=r"accelerator_update_share=.*choose 'auto', 'none' or a fraction"):
+        ZoffConfig(accelerator_update_share=value)
