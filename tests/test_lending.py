@@ -1,5 +1,5 @@
 """The accelerator runs a share of the host units' updates (`accelerator_update_share`, offload/lending.py): training
-matches DDP, the lent updates give the bits of the accelerator's own units, the split is the one asked for, and the
+matches DDP, a run lending any share gives the bits of the host's kernels alone, the split is the one asked for, and the
 slots are the plan's."""
 
 from __future__ import annotations
@@ -46,22 +46,25 @@ def test_lent_updates_match_ddp(tmp_path, share):
     assert got["memory"]["accelerator_lending"] > got["planned"]["lend_slots"]  # and one piece's workspace
 
 
+@pytest.mark.parametrize("share", [0.5, 1.0])
 @pytest.mark.parametrize("accumulate", [1, 3])
-def test_lent_updates_give_the_bits_of_the_accelerators_own_units(tmp_path, accumulate):
-    # the same torch ops on the same values: a host unit updated on the accelerator equals one that lives there.
-    # Unclipped: the gradient's norm is summed by the host's kernel for host units, by torch ops for the accelerator's,
-    # and the two sums may differ in their last bit (a clipped step's factor with them). Without overlap: with it,
-    # host units speculate during backward with the host's kernel, and an unclipped step keeps that update
-    lent, own = tmp_path / "lent", tmp_path / "own"
+def test_lent_updates_give_the_host_kernels_bits(tmp_path, share, accumulate):
+    # the accelerator computes a lent update with the host kernels' arithmetic (optim/host_math.py), so a run with any
+    # share lent ends with the bits of one updated by the host alone: losses, masters (with overlap's speculation and
+    # clipping on: a clipped step's factor comes from the same norm either way)
+    lent, host = tmp_path / "lent", tmp_path / "host"
     lent.mkdir()
-    own.mkdir()
-    lent_module = fit(lent, ZoffStrategy(start_method="fork", accelerator_state="none", accelerator_update_share=1.0,
-                                         overlap=False, weights_to_main_process=True),
-                      precision="bf16-true", accumulate=accumulate, clip=None)
-    own_module = fit(own, ZoffStrategy(start_method="fork", accelerator_state=1.0, weights_to_main_process=True),
-                     precision="bf16-true", accumulate=accumulate, clip=None)
-    assert read_probe(lent)["losses"] == read_probe(own)["losses"]
-    for a, b in zip(lent_module.state_dict().values(), own_module.state_dict().values(), strict=True):
+    host.mkdir()
+    options = dict(start_method="fork", accelerator_state="none", weights_to_main_process=True)
+    lent_module = fit(lent, ZoffStrategy(**options, accelerator_update_share=share), precision="bf16-true",
+                      accumulate=accumulate)
+    host_module = fit(host, ZoffStrategy(**options, accelerator_update_share="none"), precision="bf16-true",
+                      accumulate=accumulate)
+    assert read_probe(lent)["telemetry"]["zoff/lent_units"] > 0
+    assert read_probe(host)["telemetry"]["zoff/lent_units"] == 0
+    assert min(read_probe(host)["clip_coefs"]) < 1.0
+    assert read_probe(lent)["losses"] == read_probe(host)["losses"]
+    for a, b in zip(lent_module.state_dict().values(), host_module.state_dict().values(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -97,11 +100,11 @@ def plan_for(share, capacity=None, trained=100):
 
 def test_the_plan_holds_the_lent_updates_slots():
     # bf16 model, fp32 Adam moments: a slot holds 4 + 8 + 2 bytes per element; the largest host unit has 100; one
-    # piece's update workspace is its fp32 gradient (4 bytes per element)
+    # piece's update workspace: its fp32 gradient, an fp32 and an fp64 temporary (16 bytes per element)
     plan = plan_for(0.5)
     assert plan.lend_piece == 100
     assert plan.lend_slots_bytes == LEND_SLOTS * 100 * 14
-    assert plan.lending_bytes == LEND_SLOTS * 100 * 14 + 100 * 4
+    assert plan.lending_bytes == LEND_SLOTS * 100 * 14 + 100 * 16
     assert plan.accelerator_transient_bytes == plan.lending_bytes  # nothing else on the accelerator
     assert plan_for(0.5, trained=4 * LEND_PIECE).lend_piece == LEND_PIECE  # pieces, not whole units
     assert plan_for("none", capacity=80 * 2**30).lending_bytes == 0

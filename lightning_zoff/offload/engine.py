@@ -34,8 +34,8 @@
    copy the updated 16-bit shards host-to-device on a side stream into FSDP2's sharded parameters. The unit's next
    forward waits for exactly that copy (`gate`), nothing else does. A share of the host's units (`update_split.py`
    chooses them, `accelerator_update_share`) is instead updated by the accelerator: their master, moments and
-   gradient go up in pieces, the same torch ops as its own units' update them there and write FSDP2's shards, and
-   master and moments come back (`lending.py`), while the host's cores update the rest.
+   gradient go up in pieces, torch ops with the host kernels' arithmetic (the same bits) update them there and write
+   FSDP2's shards, and master and moments come back (`lending.py`), while the host's cores update the rest.
 A unit whose state is placed on the accelerator (`Placement.ACCELERATOR`) takes the same path there. In a window of
 one micro-batch its reduced gradient is copied over FSDP2's shards of its trained parameters (until the step a shard
 is only its master's cast), so FSDP2's reduced shard is freed at once and the accelerator holds no gradient per

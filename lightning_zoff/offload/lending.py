@@ -1,7 +1,8 @@
 """The accelerator runs a share of the host units' updates (`accelerator_update_share`): after the step's decision, a
-lent unit's fp32 master, moments and window gradient go up in pieces, the accelerator updates each piece with the torch
-ops its own units use, writes the updated parameters into FSDP2's shards and sends master and moments back down, while
-the host's cores update the other units.
+lent unit's fp32 master, moments and window gradient go up in pieces, the accelerator updates each piece with the host
+kernels' own arithmetic in torch ops (`optim/host_math.py`: the same bits, so which units a step lends changes no
+result), writes the updated parameters into FSDP2's shards and sends master and moments back down, while the host's
+cores update the other units.
 
 Why: the host's update is paced by its cores' memory bandwidth (0.29 ns per element with fp32 Adam moments on the
 16-core H100 box), and a clipped step cannot start it before backward ends, so it is exposed. PCIe beside it carries
@@ -23,8 +24,8 @@ import torch
 
 from lightning_zoff.offload.fsdp_hooks import record_event
 from lightning_zoff.offload.unit_state import TrainedParam, UnitState, UpdateKey
+from lightning_zoff.optim.host_math import update_as_host
 from lightning_zoff.optim.rules import UpdateRule
-from lightning_zoff.optim.update import update
 from lightning_zoff.placement.host_buffers import pin_later
 from lightning_zoff.placement.plan import LEND_SLOTS
 
@@ -95,8 +96,8 @@ class LentUpdates:
                 with self._on(self.compute):
                     if loaded is not None and self.compute is not None:
                         self.compute.wait_event(loaded)
-                    update(self.rule, hyper, run.step, state[0], g, state[1], None if len(state) == 2 else state[2],
-                           grad_scale=key.scale, on_host=False)
+                    update_as_host(self.rule, hyper, run.step, state[0], g, state[1],
+                                   None if len(state) == 2 else state[2], grad_scale=key.scale)
                     _write_params(unit, in_run, state[0], start, start + n)
                     updated = record_event(self.compute)
                 with self._on(self.down):

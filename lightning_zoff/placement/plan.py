@@ -16,7 +16,7 @@ at a time; as many as the host has room for, at most one per two host units); on
 update's fp32 workspace (it runs in pieces of at most `UPDATE_PIECE` elements), with the window's sum on the
 accelerator, that sum (one unit's, or every host unit's when retained), and where it runs a share of the host's
 updates (`accelerator_update_share`), the slots their pieces pass through: `LEND_SLOTS` pieces of master, moments and
-gradient of at most `LEND_PIECE` elements, and one piece's update workspace.
+gradient of at most `LEND_PIECE` elements, and one piece's update workspace (`StateOptions.lend_workspace_bytes`).
 
 The engine allocates exactly this (`mover.make_buffers`; a test compares its tensors with the plan, per side), the
 budget checks read it, the policy (`policy.py`) places units with it, and the memory report prints it. The policy's
@@ -91,6 +91,11 @@ class StateOptions:
         moments; for one piece of at most `UPDATE_PIECE` elements."""
         per_element = 4 * (1 + (1 if lion else 0) + (self.moments if self.moment_bytes != 4 else 0))
         return per_element * min(trained, UPDATE_PIECE)
+
+    def lend_workspace_bytes(self, elements: int) -> int:
+        """A lent piece's update temporaries (`optim/host_math.py`): the fp32 gradient, an fp32 and an fp64 temporary,
+        fp32 copies of 16-bit moments."""
+        return elements * (4 + 4 + 8 + (4 * self.moments if self.moment_bytes != 4 else 0))
 
     def lend_slot_bytes(self, elements: int) -> int:
         """One slot a lent update's piece of `elements` passes through: its master, moments and gradient (in the
@@ -168,7 +173,7 @@ class MemoryPlan:
     @property
     def lending_bytes(self) -> int:
         """The slots and one piece's update workspace."""
-        return self.lend_slots_bytes + self.options.workspace_bytes(self.lend_piece, self.lion)
+        return self.lend_slots_bytes + self.options.lend_workspace_bytes(self.lend_piece)
 
     @property
     def accelerator_transient_bytes(self) -> int:
