@@ -46,7 +46,9 @@ def run_mode(mode: str, steps: int, clip: float, accumulate: int) -> dict:
         def __init__(self):
             super().__init__()
             self.outcomes = []
-            self.speculations = {"kept": 0, "redone": 0}
+            self.speculations = None  # read at the end of training: None says it was not, not that none was kept
+            self.spare_sets = None
+            self.lent_units = 0
 
         def on_train_start(self, trainer, pl_module):
             scheduler = trainer.strategy.engine.scheduler  # None without overlap
@@ -55,16 +57,18 @@ def run_mode(mode: str, steps: int, clip: float, accumulate: int) -> dict:
 
         def on_train_end(self, trainer, pl_module):
             # read before the fit's teardown: the engine detaches then and its scheduler goes with the counts
-            scheduler = trainer.strategy.engine.scheduler
-            if scheduler is not None:
-                scheduler.wait_idle()
-                self.speculations = dict(scheduler.speculations)
+            engine = trainer.strategy.engine
+            self.spare_sets = int(engine.memory_report()["spare_sets"])
+            if engine.scheduler is not None:
+                engine.scheduler.wait_idle()
+                self.speculations = dict(engine.scheduler.speculations)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
             last = trainer.strategy.last_step
             if last is not None and len(self.outcomes) < trainer.global_step:
                 self.outcomes.append([last.skipped, last.clip_coef, last.grad_norm])
+                self.lent_units += int(trainer.strategy.telemetry.get("zoff/lent_units", 0))
 
     pl.seed_everything(0)
     record = Record()
@@ -79,7 +83,7 @@ def run_mode(mode: str, steps: int, clip: float, accumulate: int) -> dict:
     engine.wait_idle()
     masters = torch.cat([u.master for u in engine.units])
     return {"losses": record.losses, "outcomes": record.outcomes, "masters": masters,
-            "speculations": record.speculations,
+            "speculations": record.speculations, "spare_sets": record.spare_sets, "lent_units": record.lent_units,
             "device": str(trainer.strategy.root_device)}
 
 
@@ -131,7 +135,9 @@ def compare(steps: int, clip: float | None = None, accumulate: int = 1) -> dict:
         other = results[mode]
         differs = differences(sync, other)
         summary[mode] = {"bitwise_equal_to_sync": not differs, "differs": differs,
-                         "speculations": other["speculations"]}
+                         "speculations": other["speculations"], "spare_sets": other["spare_sets"],
+                         "lent_units": other["lent_units"]}
+    summary["sync"] = {"lent_units": sync["lent_units"]}
     return summary
 
 
