@@ -88,7 +88,9 @@ def _adam(k: _AdamConsts, p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, 
     else:
         torch.sub(g, d.mul_(k.lerp_w_comp), out=m)
     v.mul_(k.beta2).add_(d.copy_(g).mul_(k.one_minus_beta2).mul_(g))  # beta2 * v + (1 - beta2) * g * g
-    denom = g.copy_(v.double().sqrt_()).div_(torch.tensor(k.bc2_sqrt, device=v.device)).add_(k.eps)
+    # the divisor made on the device by a fill: a host value copied up would wait for the stream's work first
+    bc2_sqrt = torch.full((), k.bc2_sqrt, dtype=torch.float32, device=v.device)
+    denom = g.copy_(v.double().sqrt_()).div_(bc2_sqrt).add_(k.eps)
     p.add_(torch.mul(m, k.neg_step_size, out=d).div_(denom))
 
 
