@@ -15,6 +15,7 @@ from helpers.tiny_module import TinyModule, read_probe
 from lightning_zoff import ZoffStatsMonitor, ZoffStrategy
 from lightning_zoff.config import ZoffConfig
 from lightning_zoff.offload.update_split import UpdateSplit
+from lightning_zoff.optim.host_math import workspace_bytes
 from lightning_zoff.placement import Machine, Placement, StateOptions, UnitShape, plan_memory
 from lightning_zoff.placement.plan import LEND_PIECE, LEND_SLOTS
 
@@ -42,8 +43,7 @@ def test_lent_updates_match_ddp(tmp_path, share):
     assert min(got["clip_coefs"]) < 1.0 == max(got["clip_coefs"])
     assert got["telemetry"]["zoff/lent_units"] > 0  # the last step lent some of the four host units
     assert got["placements"] == dict.fromkeys(got["placements"], "host")  # lent for a step, the state stays home
-    assert got["held"]["lend_slots"] == got["planned"]["lend_slots"] > 0  # the slots are the plan's
-    assert got["memory"]["accelerator_lending"] > got["planned"]["lend_slots"]  # and one piece's workspace
+    assert got["held"]["lending"] == got["planned"]["lending"] == got["memory"]["accelerator_lending"] > 0
 
 
 @pytest.mark.parametrize("share", [0.5, 1.0])
@@ -110,6 +110,9 @@ def test_the_plan_holds_the_lent_updates_slots():
     assert plan_for("none", capacity=80 * 2**30).lending_bytes == 0
     assert plan_for("auto").lending_bytes == 0  # "auto" on a CPU: nothing to gain
     assert plan_for("auto", capacity=80 * 2**30).lending_bytes == plan.lending_bytes
+    for moment_bytes, moments in [(4, 2), (2, 2), (4, 1), (2, 1)]:  # the plan's workspace is the update's
+        options = StateOptions(param_bytes=2, moment_bytes=moment_bytes, moments=moments, sum_bytes=0)
+        assert options.lend_workspace_bytes(10) == 10 * workspace_bytes(moment_bytes, moments)
     everything_there = plan_for(0.5).with_placement(dict.fromkeys(["a", "b"], Placement.ACCELERATOR))
     assert everything_there.lending_bytes == 0  # no host unit, nothing to lend
 

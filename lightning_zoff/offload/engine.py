@@ -286,9 +286,10 @@ class OffloadEngine:
         return self.mover.report()
 
     def held_bytes(self) -> dict[str, int]:
-        """What the engine's tensors hold now: per side, and the lent updates' slots (`MemoryPlan.lend_slots_bytes`)."""
+        """What the engine's tensors hold now: per side, and the lent updates' slots and workspace on the accelerator
+        (`MemoryPlan.lending_bytes`)."""
         lent = self.updates.lent
-        return {**self.mover.held_bytes(), "lend_slots": 0 if lent is None else lent.nbytes}
+        return {**self.mover.held_bytes(), "lending": 0 if lent is None else lent.nbytes}
 
     # -- state, for checkpoints and the next fit ------------------------------------------------------------
 

@@ -9,7 +9,8 @@ Why: the host's update is paced by its cores' memory bandwidth (0.29 ns per elem
 55 GB/s each way: a lent element costs 14 B up and 12 B down (fp32 moments, a 16-bit gradient) and no host core.
 `update_split.py` chooses which units go, from the measured speed of both sides.
 
-The pieces pass through `LEND_SLOTS` slots planned on the accelerator (`MemoryPlan.lending_bytes`), on three streams so
+The pieces pass through `LEND_SLOTS` slots planned on the accelerator (`MemoryPlan.lending_bytes`, with one piece's
+update workspace: a lent update allocates nothing), on three streams so
 PCIe works both ways at once: a piece goes up on `up` once its slot's last piece is back, is updated on `compute`,
 comes back on `down`. The host keeps the state: a lent unit's buffers stay its own (pinned the first time they are
 lent); `UnitState.state_back` marks the end of their copy back, which every host reader waits for.
@@ -24,7 +25,7 @@ import torch
 
 from lightning_zoff.offload.fsdp_hooks import record_event
 from lightning_zoff.offload.unit_state import TrainedParam, UnitState, UpdateKey
-from lightning_zoff.optim.host_math import update_as_host
+from lightning_zoff.optim.host_math import update_as_host, workspace_bytes
 from lightning_zoff.optim.rules import UpdateRule
 from lightning_zoff.placement.host_buffers import pin_later
 from lightning_zoff.placement.plan import LEND_SLOTS
@@ -57,12 +58,16 @@ class LentUpdates:
                              torch.empty(piece * grad_itemsize, dtype=torch.uint8, device=device))
                        for _ in range(LEND_SLOTS)]
         self._next = 0
+        # one piece's update temporaries, carved anew by each update on `compute` (which runs them one at a time)
+        self._work = torch.empty(piece * workspace_bytes(torch.empty(0, dtype=moment_dtype).element_size(), moments),
+                                 dtype=torch.uint8, device=device)
         # the lent updates of a step, not yet read: (first piece going up, last one back, elements)
         self.timing: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for slot in self._slots for t in [*slot.state, slot.grad_bytes])
+        """What the slots and the workspace hold (the plan's `lending_bytes`)."""
+        return sum(t.nbytes for slot in self._slots for t in [*slot.state, slot.grad_bytes]) + self._work.nbytes
 
     @torch.no_grad()
     def update(self, unit: UnitState, key: UpdateKey) -> None:
@@ -97,7 +102,7 @@ class LentUpdates:
                     if loaded is not None and self.compute is not None:
                         self.compute.wait_event(loaded)
                     update_as_host(self.rule, hyper, run.step, state[0], g, state[1],
-                                   None if len(state) == 2 else state[2], grad_scale=key.scale)
+                                   None if len(state) == 2 else state[2], grad_scale=key.scale, work=self._work)
                     _write_params(unit, in_run, state[0], start, start + n)
                     updated = record_event(self.compute)
                 with self._on(self.down):

@@ -81,7 +81,7 @@ class Probe(Callback):
             info["memory"] = engine.memory_report()
             info["held"] = engine.held_bytes()  # what its tensors hold, per side
             info["planned"] = {"host": engine.plan.host_bytes, "accelerator": engine.plan.state_on(ACCELERATOR),
-                               "lend_slots": engine.plan.lend_slots_bytes}
+                               "lending": engine.plan.lending_bytes}
             info["state_devices"] = sorted({str(t.device) for u in engine.units for t in u.buffers()})
             info["state_dtypes"] = sorted({str(t.dtype) for u in engine.units for t in u.state})
             info["placements"] = {u.layout.name: u.placement.value for u in engine.units if u.trained}
