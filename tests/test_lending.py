@@ -68,6 +68,25 @@ def test_lent_updates_give_the_host_kernels_bits(tmp_path, share, accumulate):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("option", [dict(optimizer_state_dtype="bf16"), dict(grad_accum_dtype="bf16"),
+                                    dict(grad_accum_on="accelerator")])
+def test_lent_updates_give_the_host_kernels_bits_with_other_state(tmp_path, option):
+    # bf16 moments (widened for the update, stored rounded), a bf16 window sum, the sum kept on the accelerator
+    runs = {}
+    for share in (1.0, "none"):
+        out = tmp_path / str(share)
+        out.mkdir()
+        module = fit(out, ZoffStrategy(start_method="fork", accelerator_state="none", weights_to_main_process=True,
+                                       accelerator_update_share=share, **option), precision="bf16-true", accumulate=3,
+                     max_steps=5)
+        runs[share] = (module.state_dict(), read_probe(out))
+    (lent_state, lent), (host_state, host) = runs[1.0], runs["none"]
+    assert lent["telemetry"]["zoff/lent_units"] > 0
+    assert lent["losses"] == host["losses"]
+    for a, b in zip(lent_state.values(), host_state.values(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_split_gives_each_unit_to_the_side_that_finishes_it_first():
     split = UpdateSplit("auto", host_bytes=28, up_bytes=14)
     split.host_s, split.lent_s = 1.0, 2.0  # the accelerator takes twice as long per element
