@@ -92,9 +92,13 @@ def test_split_gives_each_unit_to_the_side_that_finishes_it_first():
     split.host_s, split.lent_s = 1.0, 2.0  # the accelerator takes twice as long per element
     # a: host done at 10 (lent would be 20); b: host 20 (lent 20 is not sooner); c: lent 20 < host 30; d: host 30
     assert split.choose([("a", 10), ("b", 10), ("c", 10), ("d", 10)]) == {"c"}
-    split.observed(host=(3.0, 100), lent=(0.0, 100))  # averaged with the last: host 2, accelerator 1 per element
+    split.observed(host=(4.0, 100), lent=(0.0, 100))  # a first measurement replaces the guess
+    assert (split.host_s, split.lent_s) == (4.0, 0.0)
+    split.observed(host=(0.0, 100), lent=(2.0, 100))  # a later one is averaged with the last: host 2, accelerator 1
     assert (split.host_s, split.lent_s) == (2.0, 1.0)
     assert split.choose([("a", 10), ("b", 10), ("c", 10)]) == {"a", "c"}  # a: lent 10 < 20; b: host 20 < 20 + 10
+    split.observed(host=None, lent=(1.0, 0))  # nothing measured: nothing changes
+    assert (split.host_s, split.lent_s) == (2.0, 1.0)
 
 
 @pytest.mark.parametrize("share", [0.25, 0.5, 0.75])

@@ -116,7 +116,10 @@ class OffloadEngine:
                            masters_bytes=sum(t.nbytes for t in masters.values()), all_on_accelerator=not config.offload)
         if config.moment_dtype == torch.bfloat16:
             warn_if_bf16_moments_cannot_decay(self.rule, optimizer)
-        # the accelerator's units first: their fp32 copies leave the host before the host's state grows
+        # the accelerator's units first: their fp32 copies leave the host before the host's state grows. Where the
+        # accelerator takes a share of the host's updates, the host's state is pinned now, once: pinned as a unit is
+        # first lent, the steps that lend new units wait for it (Llama-3-8B b1 on 1x H100: 1.4-2.4 s steps, 1.3 after)
+        pin_state = config.pin_memory and plan.lends
         built: dict[str, UnitState] = {}
         for layout, _ in sorted(layouts, key=lambda lm: plan.placement[lm[0].name] is Placement.HOST):
             where = plan.placement[layout.name]
@@ -124,7 +127,8 @@ class OffloadEngine:
                 layout, masters, group_of, placement=where,
                 device=self.state_device if where is Placement.HOST else self.param_device, moments=moments,
                 moment_dtype=config.moment_dtype, sums_windows=self.sums_windows, grad_sum_dtype=config.grad_sum_dtype,
-                pin=config.pin_memory and where is Placement.HOST)
+                pin=config.pin_memory and where is Placement.HOST,
+                pin_state=pin_state and where is Placement.HOST)
         self.units = [built[layout.name] for layout, _ in layouts]
         self._modules = [module for _, module in layouts]
         on_cuda = self.param_device.type == "cuda"
@@ -135,7 +139,7 @@ class OffloadEngine:
         self.mover = StateMover(plan, self.units, None if self.scheduler is None else self.scheduler.pool,
                                 host=self.state_device, accelerator=self.param_device,
                                 grad_sum_dtype=config.grad_sum_dtype, moment_dtype=config.moment_dtype,
-                                pin=config.pin_memory)
+                                pin=config.pin_memory, pin_state=pin_state)
         self.updates = UnitUpdates(self.rule, optimizer, self.traffic, self.scheduler, world_size=world_size,
                                    threads=threads, h2d_stream=h2d_stream, compute_stream=self.compute_stream)
         self.split: UpdateSplit | None = None  # with lending: which host units the accelerator updates each step

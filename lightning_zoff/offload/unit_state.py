@@ -203,16 +203,19 @@ def build_unit_state(
     sums_windows: bool,
     grad_sum_dtype: torch.dtype,
     pin: bool,
+    pin_state: bool = False,
 ) -> UnitState:
     """State for the unit's trained parameters on `device`, their rows taken from `masters` (fp32 shards by id of
-    the sharded parameter), which are consumed: the model's fp32 copies are freed as the state fills."""
+    the sharded parameter), which are consumed: the model's fp32 copies are freed as the state fills. `pin`: the
+    staging buffers pinned; `pin_state`: the master and moments too (they cross PCIe when the accelerator updates the
+    unit: `lending.py`)."""
     trained, state_numel = [], 0
     for index, slot in enumerate(layout.slots):
         group = group_of.get(id(slot.param))
         if group is not None:
             trained.append(TrainedParam(slot, index, state_numel, group))
             state_numel += slot.padded_numel
-    state = [host_empty(state_numel, dtype, device, pin=False).zero_()
+    state = [host_empty(state_numel, dtype, device, pin=pin_state).zero_()
              for dtype in [torch.float32] + [moment_dtype] * moments]
     for param in trained:
         state[0][param.state_offset : param.state_offset + param.slot.numel].copy_(

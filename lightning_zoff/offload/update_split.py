@@ -4,8 +4,9 @@ between its cores and the accelerator, so that both finish the units the next fo
 Both sides work through their units in forward order, at their own speed in seconds per element: the host's kernels,
 and the accelerator's pieces going up, updated and coming back. Each unit, in forward order, goes to the side that
 would finish it first, so the two run side by side and the forward meets few units not yet done. With "auto" the
-speeds are measured (each step's, averaged with the last: the host's slows while PCIe streams beside it, so each is
-measured while the other works); until both are, they start from the bytes each moves over a conservative bandwidth.
+speeds are measured (the first replaces the guess, each later one is averaged with the last: the host's slows while PCIe
+streams beside it, so each is measured while the other works); until then, they start from the bytes each moves over a
+conservative bandwidth.
 A fraction asks for that share of the elements instead: the speeds are then set so the split gives it.
 """
 
@@ -25,6 +26,7 @@ class UpdateSplit:
 
     def __init__(self, share: str | float, *, host_bytes: int, up_bytes: int) -> None:
         self.share = share
+        self._guessed = {"host": True, "lent": True}  # a first measurement replaces the guess, later ones average
         if isinstance(share, float):  # speeds in the ratio of the share asked for
             self.host_s, self.lent_s = share, 1.0 - share
         else:
@@ -47,6 +49,8 @@ class UpdateSplit:
         if isinstance(self.share, float):
             return
         if host is not None and host[1]:
-            self.host_s = (self.host_s + host[0]) / 2
+            self.host_s = host[0] if self._guessed["host"] else (self.host_s + host[0]) / 2
+            self._guessed["host"] = False
         if lent is not None and lent[1]:
-            self.lent_s = (self.lent_s + lent[0]) / 2
+            self.lent_s = lent[0] if self._guessed["lent"] else (self.lent_s + lent[0]) / 2
+            self._guessed["lent"] = False

@@ -40,12 +40,14 @@ class StateMover:
     `pool`: the spare sets' pool (None without overlap)."""
 
     def __init__(self, plan: MemoryPlan, units: list[UnitState], pool: SparePool | None, *, host: torch.device,
-                 accelerator: torch.device, grad_sum_dtype: torch.dtype, moment_dtype: torch.dtype, pin: bool) -> None:
+                 accelerator: torch.device, grad_sum_dtype: torch.dtype, moment_dtype: torch.dtype, pin: bool,
+                 pin_state: bool = False) -> None:
         self.plan = plan
         self.units = units  # the engine's list
         self.pool = pool
         self.host, self.accelerator = host, accelerator
         self.grad_sum_dtype, self.moment_dtype, self.pin = grad_sum_dtype, moment_dtype, pin
+        self.pin_state = pin_state  # host state pinned too: the accelerator runs a share of its updates
         self._spare_trained = 0  # the size the pool's sets are made for
         self.resize_pool()
 
@@ -66,7 +68,7 @@ class StateMover:
     def _spare_set(self) -> SpareSet:
         n = self._spare_trained
         moments = [self.moment_dtype] * self.plan.options.moments
-        state = [host_empty(n, dtype, self.host, pin=False) for dtype in [torch.float32, *moments]]
+        state = [host_empty(n, dtype, self.host, pin=self.pin_state) for dtype in [torch.float32, *moments]]
         param_dtype = self.units[0].param_dtype if self.units else torch.float32
         out = None if param_dtype == torch.float32 else host_empty(n, param_dtype, self.host, self.pin)
         return SpareSet(state, out)
@@ -84,7 +86,8 @@ class StateMover:
         for name in names:
             try:
                 relocate(by_name[name], placement, self.device(placement), grad_sum_dtype=self.grad_sum_dtype,
-                         pin=self.pin and placement is Placement.HOST)
+                         pin=self.pin and placement is Placement.HOST,
+                         pin_state=self.pin_state and placement is Placement.HOST)
             except torch.OutOfMemoryError:
                 break  # the estimate was off: this unit stays as it was (relocate changes nothing on failure)
             moved.append(name)
@@ -139,14 +142,14 @@ class StateMover:
         return held
 
 
-def relocate(unit: UnitState, placement: Placement, device: torch.device, *, grad_sum_dtype: torch.dtype, pin: bool
-             ) -> None:
+def relocate(unit: UnitState, placement: Placement, device: torch.device, *, grad_sum_dtype: torch.dtype, pin: bool,
+             pin_state: bool = False) -> None:
     """Move the unit's state to `device` (exact copies) and make its buffers there, freeing those it had; on failure
     nothing changes. Between windows only."""
     assert unit.at_rest
     before = (unit.state, unit.placement, unit.grad_sum, unit.grad_staging, unit.param_staging)
     try:
-        unit.state = [host_empty(t.numel(), t.dtype, device, pin=False).copy_(t) for t in unit.state]  # as built
+        unit.state = [host_empty(t.numel(), t.dtype, device, pin=pin_state).copy_(t) for t in unit.state]  # as built
         unit.placement = placement
         make_buffers(unit, device, sums_windows=unit.grad_sum is not None, grad_sum_dtype=grad_sum_dtype, pin=pin)
     except BaseException:  # out of memory on the way: the unit stays as it was
