@@ -68,6 +68,15 @@ def test_lent_updates_give_the_host_kernels_bits(tmp_path, share, accumulate):
         assert torch.equal(a, b)
 
 
+def test_no_share_without_pinned_memory(tmp_path):
+    # the share streams the host's state: pageable memory would stop the worker at every piece, so none is planned
+    fit(tmp_path, ZoffStrategy(start_method="fork", accelerator_state="none", accelerator_update_share=1.0,
+                               pin_memory=False))
+    got = read_probe(tmp_path)
+    assert got["telemetry"]["zoff/lent_units"] == 0
+    assert got["planned"]["lending"] == got["held"]["lending"] == 0
+
+
 @pytest.mark.parametrize("option", [dict(optimizer_state_dtype="bf16"), dict(grad_accum_dtype="bf16"),
                                     dict(grad_accum_on="accelerator")])
 def test_lent_updates_give_the_host_kernels_bits_with_other_state(tmp_path, option):

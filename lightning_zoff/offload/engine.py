@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -71,6 +72,7 @@ from lightning_zoff.offload.update_split import UpdateSplit
 from lightning_zoff.offload.updates import UnitUpdates
 from lightning_zoff.optim.rules import UpdateRule, update_rule_for, warn_if_bf16_moments_cannot_decay
 from lightning_zoff.placement import Machine, MemoryPlan, Placement, StateMover, StateOptions, plan_memory
+from lightning_zoff.placement.host_buffers import is_pinned
 
 if TYPE_CHECKING:
     from lightning_zoff.config import ZoffConfig
@@ -238,6 +240,11 @@ class OffloadEngine:
         if lent is not None:
             lent.wait()
         self.updates.lent = None
+        if piece and self.param_device.type == "cuda" and not all(
+                is_pinned(unit.master) for unit in self.units if unit.placement is Placement.HOST and unit.trained):
+            # the OS refused to pin (memlock; `host_empty` warned): pageable copies would stop the worker at each piece
+            self.mover.plan = replace(plan, options=replace(plan.options, update_share="none"))
+            piece = 0
         if not piece:
             self.split = None
             return

@@ -84,6 +84,12 @@ def pin_later(tensor: torch.Tensor) -> None:
             _warn_pageable(error)
 
 
+def is_pinned(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` lies in a mapping of `host_empty`'s that is pinned."""
+    pages = _mappings.get(tensor.untyped_storage().data_ptr())
+    return pages is not None and pages.registered
+
+
 def mapped_ranges() -> list[tuple[int, int]]:
     """The [start, end) address ranges of the host buffers alive now."""
     return [(start, start + length) for start, length in _live.items()]

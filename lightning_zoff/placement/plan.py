@@ -79,8 +79,9 @@ class StateOptions:
                    sum_bytes=config.grad_sum_dtype.itemsize if sums_windows else 0,
                    sum_on_accelerator=config.grad_accum_on == "accelerator",
                    retain_device_sum=config.retain_gpu_grad_partition_until_step,
-                   speculates=config.host_worker, update_share=config.accelerator_update_share if config.offload
-                   else "none")
+                   speculates=config.host_worker,
+                   # the share streams the host's state: only pinned memory copies without stopping the host's thread
+                   update_share=config.accelerator_update_share if config.offload and config.pin_memory else "none")
 
     def state_bytes(self, trained: int) -> int:
         return trained * (4 + self.moments * self.moment_bytes)
