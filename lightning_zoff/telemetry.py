@@ -82,5 +82,6 @@ def step_metrics(times: dict[str, float] | None, traffic: Any, grad_norm: float,
         "zoff/skipped": float(skipped), "zoff/loss_scale": loss_scale,
         "zoff/speculations_kept": float(traffic.speculations_kept),
         "zoff/speculations_redone": float(traffic.speculations_redone),
-        "zoff/lent_units": float(traffic.lent_units),  # host units the accelerator updated
+        "zoff/lent_units": float(traffic.lent_units),  # host units the accelerator updated, and their elements
+        "zoff/lent_elements": float(traffic.lent_elements),
     }

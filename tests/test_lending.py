@@ -41,7 +41,13 @@ def test_lent_updates_match_ddp(tmp_path, share):
     got, want = read_probe(zoff), read_probe(ddp)
     assert rel_err(got["losses"], want["losses"]) < 1e-5
     assert min(got["clip_coefs"]) < 1.0 == max(got["clip_coefs"])
-    assert got["telemetry"]["zoff/lent_units"] > 0  # the last step lent some of the four host units
+    telemetry = got["telemetry"]
+    assert telemetry["zoff/lent_units"] > 0  # the last step lent some of the four host units
+    # what went up: each lent element's master and moments (12 B) and window sum (4 B); each of the host's own
+    # elements its parameter (4 B in 32-true). A fraction lends the same units every step, so the count is exact
+    lent = telemetry["zoff/lent_elements"]
+    host = got["memory"]["trained_params"] - lent
+    assert telemetry["zoff/h2d_gb"] * 1e9 == pytest.approx(lent * (12 + 4) + host * 4, rel=1e-6)
     assert got["placements"] == dict.fromkeys(got["placements"], "host")  # lent for a step, the state stays home
     assert got["held"]["lending"] == got["planned"]["lending"] == got["memory"]["accelerator_lending"] > 0
 

@@ -24,7 +24,8 @@ def host_floor(strategy: Any, telemetry: dict[str, float], step_s: float) -> dic
     if host and telemetry["zoff/cpu_update_s"] > 0:
         unit = host[0]
         per_param = 2 * sum(t.element_size() for t in unit.state) + 2 * unit.param_dtype.itemsize
-        params = sum(u.master.numel() for u in host)
+        # the host's kernels updated all but what the GPU took (`accelerator_update_share`), a median step's
+        params = sum(u.master.numel() for u in host) - int(telemetry.get("zoff/lent_elements", 0))
         update = params * per_param / telemetry["zoff/cpu_update_s"] / 1e9
         floor |= {"host_params": params, "host_update_gb_s": update, "host_update_of_copy": update / copy}
     return floor

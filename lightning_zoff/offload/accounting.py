@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import threading
 
-_COUNTERS = ("d2h_bytes", "h2d_bytes", "cpu_update_s", "speculations_kept", "speculations_redone", "lent_units")
+_COUNTERS = ("d2h_bytes", "h2d_bytes", "cpu_update_s", "speculations_kept", "speculations_redone", "lent_units",
+             "lent_elements")
 
 
 class Traffic:
@@ -14,7 +15,7 @@ class Traffic:
         self.d2h_bytes = self.h2d_bytes = 0
         self.cpu_update_s = 0.0  # update kernels, speculative ones included
         self.speculations_kept = self.speculations_redone = 0
-        self.lent_units = 0  # host units whose update the accelerator ran (`lending.py`)
+        self.lent_units = self.lent_elements = 0  # host units whose update the accelerator ran (`lending.py`)
         self._lock = threading.Lock()  # the worker and the training thread both count
 
     def add(self, **amounts: float) -> None:

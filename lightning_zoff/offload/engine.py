@@ -200,13 +200,13 @@ class OffloadEngine:
                                    sumsq=self.landing.sumsq)
         if self.scheduler is not None:
             self.scheduler.decided(as_speculated=not outcome.skipped and outcome.clip_coef == 1.0)
-        if not decision.skipped:  # counted here, so each step reports its own copies even when they end during the next
-            host_units = [unit for unit in units if unit.placement is Placement.HOST]
-            self.traffic.add(h2d_bytes=sum(p.slot.local.nbytes for unit in host_units
-                                           for p, used in zip(unit.trained, decision.used[unit], strict=True) if used))
         landed = self.landing.landed_order
         order = landed[::-1] + [u for u in units if u not in landed]  # about the order the next forward needs them
         lent = self._lent_units(order, decision, as_speculated=not outcome.skipped and outcome.clip_coef == 1.0)
+        if not decision.skipped:  # counted here, so each step reports its own copies even when they end during the next
+            host_units = [unit for unit in units if unit.placement is Placement.HOST and unit not in lent]
+            self.traffic.add(h2d_bytes=sum(p.slot.local.nbytes for unit in host_units
+                                           for p, used in zip(unit.trained, decision.used[unit], strict=True) if used))
         order.sort(key=lambda unit: unit not in lent)  # queuing a lent update takes a moment; it then streams
         for unit in order:
             unit.phase = Phase.FINALIZING
