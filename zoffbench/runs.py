@@ -46,6 +46,7 @@ ZOFF_VARIANTS: dict[str, dict[str, Any]] = {
     "zoff_accum_gpu_retained": dict(grad_accum_on="accelerator", retain_gpu_grad_partition_until_step=True),
     "zoff_bf16_moments": dict(optimizer_state_dtype="bf16"),  # 20 B/param of host traffic instead of 28
     "zoff_no_update_share": dict(accelerator_update_share="none"),  # the host's cores run every host unit's update
+    "zoff_bf16_moments_no_update_share": dict(optimizer_state_dtype="bf16", accelerator_update_share="none"),
     # the 7B-on-128-GB configuration, all on the host
     "zoff_sync_bf16_moments": dict(overlap=False, optimizer_state_dtype="bf16", accelerator_state="none"),
 }

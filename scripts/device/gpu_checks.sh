@@ -153,11 +153,13 @@ for stage in "$@"; do
           llama_b4) users llama3_8b 4 $steps 2 $(( 150 + (steps + 2) * 10 )) zoff ;;
           # the accelerator's share of the host's updates against the host's cores alone, same code, one call
           llama_b1_share) users llama3_8b 1 $steps 2 $(( 150 + (steps + 2) * 6 )) zoff zoff_no_update_share ;;
+          qwen14b_share) users qwen3_14b 1 $steps 2 $(( 240 + (steps + 2) * 12 )) zoff_bf16_moments \
+                             zoff_bf16_moments_no_update_share ;;
           # fp32 moments: 207 GB of host state, refused at setup by the plan in one line; bf16 moments: 148 GB
           qwen14b) users qwen3_14b 1 $steps 2 $(( 240 + (steps + 2) * 12 )) zoff zoff_bf16_moments ;;
           # DeepSpeedCPUAdam's fp32 state for 8B on a 128 GB host: expected to die of host memory (outcome host_oom)
           deepspeed) users llama3_8b 1 2 1 400 deepspeed_zero3_offload ;;
-          *) echo "users_launch: unknown part $part (llama_b1 llama_b4 llama_b1_share qwen14b deepspeed)" ;;
+          *) echo "users_launch: unknown part $part (llama_b1 llama_b4 llama_b1_share qwen14b qwen14b_share deepspeed)" ;;
         esac
       done ;;
     peers)  # the peers at their own headline configurations (issue 53), each part one bench call and one JSON, every
