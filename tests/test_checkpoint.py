@@ -65,6 +65,22 @@ def test_resume_on_two_ranks_is_bit_exact(request, tmp_path, moments):
         assert resumed[rank]["lr"] == full[rank]["lr"]  # StepLR's position and the groups' lr came back
 
 
+def test_resume_with_the_gpu_share_of_the_updates_is_bit_exact(run, tmp_path):
+    # the accelerator's share of the host's updates computes the host kernels' bits: a run that lends half of them
+    # resumes the uninterrupted host run exactly, and a checkpoint it saves resumes exactly without the share
+    out, full = run
+    lent = resume_fit(tmp_path / "lent", ckpt_path=out / "ck" / STEP6, accelerator_update_share=0.5,
+                      callbacks=[ZoffStatsMonitor()])
+    assert lent[0]["telemetry"]["zoff/lent_units"] > 0
+    saved = tmp_path / "saved"
+    resume_fit(saved, max_steps=6, accelerator_update_share=0.5,
+               callbacks=[ModelCheckpoint(dirpath=saved / "ck", save_top_k=-1, every_n_train_steps=6)])
+    back = resume_fit(tmp_path / "back", ckpt_path=saved / "ck" / STEP6, accelerator_update_share="none")
+    for rank in (0, 1):
+        assert lent[rank]["losses"] == full[rank]["losses"][6:]
+        assert back[rank]["losses"] == full[rank]["losses"][6:]
+
+
 class MomentsAtStart(pl.Callback):
     """Rank 0 writes the whole moments the run starts from (restored from the checkpoint) to `out/moments.pt`."""
 
