@@ -10,14 +10,16 @@ Why: the host's update is paced by its cores' memory bandwidth (0.29 ns per elem
 `update_split.py` chooses which units go, from the measured speed of both sides.
 
 The pieces pass through `LEND_SLOTS` slots planned on the accelerator (`MemoryPlan.lending_bytes`, with one piece's
-update workspace: a lent update allocates nothing), on three streams so
-PCIe works both ways at once: a piece goes up on `up` once its slot's last piece is back, is updated on `compute`,
-comes back on `down`. The host keeps the state: a lent unit's buffers stay its own (pinned the first time they are
-lent); `UnitState.state_back` marks the end of their copy back, which every host reader waits for.
+update workspace: a lent update allocates nothing), on three streams so PCIe works both ways at once: a piece goes up
+on `up` once its slot's last piece is back, is updated on `compute`, comes back on `down`. The host keeps the state: a
+lent unit's buffers stay its own (pinned at setup where the plan lends: only pinned memory copies without stopping the
+thread that queues them); `UnitState.state_back` marks the end of their copy back, which every host reader waits for.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -26,7 +28,7 @@ import torch
 from lightning_zoff.offload.fsdp_hooks import record_event
 from lightning_zoff.offload.unit_state import TrainedParam, UnitState, UpdateKey
 from lightning_zoff.optim.host_math import update_as_host, workspace_bytes
-from lightning_zoff.optim.rules import UpdateRule
+from lightning_zoff.optim.rules import GroupHyperparams, UpdateRule
 from lightning_zoff.placement.host_buffers import pin_later
 from lightning_zoff.placement.plan import LEND_SLOTS
 
@@ -59,8 +61,8 @@ class LentUpdates:
                        for _ in range(LEND_SLOTS)]
         self._next = 0
         # one piece's update temporaries, carved anew by each update on `compute` (which runs them one at a time)
-        self._work = torch.empty(piece * workspace_bytes(torch.empty(0, dtype=moment_dtype).element_size(), moments),
-                                 dtype=torch.uint8, device=device)
+        self._work = torch.empty(piece * workspace_bytes(moment_dtype.itemsize, moments), dtype=torch.uint8,
+                                 device=device)
         # the lent updates of a step, not yet read: (first piece going up, last one back, elements)
         self.timing: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
 
@@ -77,46 +79,50 @@ class LentUpdates:
         grad = unit.window_grad
         assert grad is not None
         for tensor in [*unit.state, grad]:
-            pin_later(tensor)
+            pin_later(tensor)  # pinned at setup where the plan lends; a buffer made since (a window's sum) here
         first = self._timing_event(self.up)
-        if unit.state_back is not None and self.up is not None:
-            self.up.wait_event(unit.state_back)  # its last lent update's state is back before it goes up again
-        elements = 0
+        _wait(self.up, unit.state_back)  # its last lent update's state is back before it goes up again
         for run, hyper in zip(key.runs, key.hyper, strict=True):
             in_run = [p for p in unit.trained if run.state_start <= p.state_offset < run.state_start + run.numel]
+            step = functools.partial(self._step, hyper, run.step, key.scale)
             for offset in range(0, run.numel, self.piece):
                 n = min(self.piece, run.numel - offset)
-                start, g0 = run.state_start + offset, run.grad_start + offset
-                slot = self._slots[self._next]
-                self._next = (self._next + 1) % len(self._slots)
-                with self._on(self.up):
-                    if slot.back is not None and self.up is not None:
-                        self.up.wait_event(slot.back)
-                    state = [s[:n] for s in slot.state]
-                    for there, here in zip(state, unit.state, strict=True):
-                        there.copy_(here[start : start + n], non_blocking=True)
-                    g = slot.grad_bytes[: n * grad.element_size()].view(grad.dtype)
-                    g.copy_(grad[g0 : g0 + n], non_blocking=True)
-                    loaded = record_event(self.up)
-                with self._on(self.compute):
-                    if loaded is not None and self.compute is not None:
-                        self.compute.wait_event(loaded)
-                    update_as_host(self.rule, hyper, run.step, state[0], g, state[1],
-                                   None if len(state) == 2 else state[2], grad_scale=key.scale, work=self._work)
-                    _write_params(unit, in_run, state[0], start, start + n)
-                    updated = record_event(self.compute)
-                with self._on(self.down):
-                    if updated is not None and self.down is not None:
-                        self.down.wait_event(updated)
-                    for here, there in zip(unit.state, state, strict=True):
-                        here[start : start + n].copy_(there, non_blocking=True)
-                    slot.back = record_event(self.down)
-                elements += n
+                self._piece(unit, grad, run.state_start + offset, run.grad_start + offset, n, step, in_run)
         unit.params_copied = record_event(self.compute)
         unit.state_back = record_event(self.down)
         last = self._timing_event(self.down)
         if first is not None and last is not None:
-            self.timing.append((first, last, elements))
+            self.timing.append((first, last, sum(run.numel for run in key.runs)))
+
+    def _piece(self, unit: UnitState, grad: torch.Tensor, start: int, grad_start: int, n: int,
+               step: Callable[[list[torch.Tensor], torch.Tensor], None], params: list[TrainedParam]) -> None:
+        """One piece of `n` elements from state row `start`: up into the next slot with its gradient, `step` on them
+        there, the updated parameters into FSDP2's shards of `params`, master and moments back."""
+        slot = self._slots[self._next]
+        self._next = (self._next + 1) % len(self._slots)
+        with self._on(self.up):
+            _wait(self.up, slot.back)
+            state = [s[:n] for s in slot.state]
+            for there, here in zip(state, unit.state, strict=True):
+                there.copy_(here[start : start + n], non_blocking=True)
+            g = slot.grad_bytes[: n * grad.element_size()].view(grad.dtype)
+            g.copy_(grad[grad_start : grad_start + n], non_blocking=True)
+            loaded = record_event(self.up)
+        with self._on(self.compute):
+            _wait(self.compute, loaded)
+            step(state, g)
+            _write_params(unit, params, state[0], start, start + n)
+            updated = record_event(self.compute)
+        with self._on(self.down):
+            _wait(self.down, updated)
+            for here, there in zip(unit.state, state, strict=True):
+                here[start : start + n].copy_(there, non_blocking=True)
+            slot.back = record_event(self.down)
+
+    def _step(self, hyper: GroupHyperparams, step: int, scale: float, state: list[torch.Tensor], grad: torch.Tensor
+              ) -> None:
+        update_as_host(self.rule, hyper, step, state[0], grad, state[1], None if len(state) == 2 else state[2],
+                       grad_scale=scale, work=self._work)
 
     def take_seconds_per_element(self) -> tuple[float, int] | None:
         """The lent updates queued since the last call, once all ended: seconds from the first piece going up to the
@@ -142,6 +148,12 @@ class LentUpdates:
         event = torch.cuda.Event(enable_timing=True)
         event.record(stream)
         return event
+
+
+def _wait(stream: torch.cuda.Stream | None, event: torch.cuda.Event | None) -> None:
+    """Make `stream`'s later work wait for `event` (nothing to wait for on a CPU, where copies are synchronous)."""
+    if stream is not None and event is not None:
+        stream.wait_event(event)
 
 
 def _write_params(unit: UnitState, params: list[TrainedParam], master: torch.Tensor, start: int, end: int) -> None:
