@@ -24,5 +24,6 @@ def test_overlap_equals_sync_bit_for_bit(accumulate):
     assert awaited["speculations"] is not None
     assert awaited["speculations"]["kept"] > 0
     assert awaited["speculations"]["redone"] > 0
-    # the GPU took a share of the host's updates ("auto"), and the bits stayed the synchronous run's
-    assert summary["sync"]["lent_units"] > 0
+    # the GPU took every host update in "lent" (and the bits stayed the synchronous run's, above), none in sync
+    assert summary["lent"]["lent_units"] > 0
+    assert summary["sync"]["lent_units"] == 0

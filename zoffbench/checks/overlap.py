@@ -3,9 +3,10 @@
 The entry point: scripts/checks/check_overlap.py.
 
 Trains the example GPT (bf16-mixed, clipping at a norm that some steps exceed, one step poisoned with inf so it is
-skipped) with `ZoffStrategy(overlap=False)`, then `overlap=True` with the worker's natural timing and with every
-speculation run before the decision, each in its own subprocess, and compares losses, step outcomes and the final
-fp32 masters bit for bit. Exits non-zero on any difference. tests/gpu/test_check_overlap.py asserts on `compare`'s
+skipped) with `ZoffStrategy(overlap=False)` (every update on the host), then `overlap=True` with the worker's natural
+timing, with every speculation run before the decision, and with every host update run by the accelerator
+(`accelerator_update_share=1.0`), each in its own subprocess, and compares losses, step outcomes and the final fp32
+masters bit for bit. Exits non-zero on any difference. tests/gpu/test_check_overlap.py asserts on `compare`'s
 summary.
 """
 
@@ -20,10 +21,14 @@ from zoffbench.harness import call
 
 MODEL = dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256, lr=3e-3, weight_decay=0.1)
 BAD_STEP = 5
-# every unit's state on the host, where the overlap is ("auto" would place this small model's on the GPU)
-MODES = {"sync": dict(overlap=False, accelerator_state="none"), "overlap": dict(overlap=True, accelerator_state="none"),
-         "overlap_awaited": dict(overlap=True, accelerator_state="none")}
-OVERLAPPED = ("overlap", "overlap_awaited")  # each compared with sync
+# every unit's state on the host, where the overlap is ("auto" would place this small model's on the GPU); the
+# synchronous run updates every unit on the host, the overlapped ones let the GPU take its measured share ("auto"),
+# and "lent" gives the GPU every host update: all must give the synchronous run's bits
+MODES = {"sync": dict(overlap=False, accelerator_state="none", accelerator_update_share="none"),
+         "overlap": dict(overlap=True, accelerator_state="none"),
+         "overlap_awaited": dict(overlap=True, accelerator_state="none"),
+         "lent": dict(overlap=True, accelerator_state="none", accelerator_update_share=1.0)}
+OVERLAPPED = ("overlap", "overlap_awaited", "lent")  # each compared with sync
 
 
 def run_mode(mode: str, steps: int, clip: float, accumulate: int) -> dict:
