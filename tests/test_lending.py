@@ -44,7 +44,7 @@ def test_lent_updates_match_ddp(tmp_path, share):
     telemetry = got["telemetry"]
     assert telemetry["zoff/lent_units"] > 0  # the last step lent some of the four host units
     # what went up: each lent element's master and moments (12 B) and window sum (4 B); each of the host's own
-    # elements its parameter (4 B in 32-true). A fraction lends the same units every step, so the count is exact
+    # elements its parameter (4 B in 32-true); both counted at the step's decision, so the last step's are its own
     lent = telemetry["zoff/lent_elements"]
     host = got["memory"]["trained_params"] - lent
     assert telemetry["zoff/h2d_gb"] * 1e9 == pytest.approx(lent * (12 + 4) + host * 4, rel=1e-6)

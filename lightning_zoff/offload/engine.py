@@ -207,6 +207,12 @@ class OffloadEngine:
             host_units = [unit for unit in units if unit.placement is Placement.HOST and unit not in lent]
             self.traffic.add(h2d_bytes=sum(p.slot.local.nbytes for unit in host_units
                                            for p, used in zip(unit.trained, decision.used[unit], strict=True) if used))
+            for unit in lent:  # its state goes up and back, its gradient up; its 16-bit copy is written on the GPU
+                elements = sum(run.numel for run in kernel_runs(unit.trained, decision.used[unit]))
+                state = elements * sum(t.element_size() for t in unit.state)
+                assert unit.window_grad is not None
+                self.traffic.add(lent_units=1, lent_elements=elements, d2h_bytes=state,
+                                 h2d_bytes=state + elements * unit.window_grad.element_size())
         order.sort(key=lambda unit: unit not in lent)  # queuing a lent update takes a moment; it then streams
         for unit in order:
             unit.phase = Phase.FINALIZING

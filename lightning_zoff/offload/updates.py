@@ -74,11 +74,6 @@ class UnitUpdates:
                 if outcome != "kept" and lend:
                     assert self.lent is not None
                     self.lent.update(unit, key)
-                    elements = sum(run.numel for run in key.runs)  # their state goes up and back, the gradient up
-                    state_bytes = elements * sum(t.element_size() for t in unit.state)
-                    assert unit.window_grad is not None
-                    self.traffic.add(lent_units=1, lent_elements=elements, d2h_bytes=state_bytes,
-                                     h2d_bytes=state_bytes + elements * unit.window_grad.element_size())
                     self._count_steps(unit, decision.used[unit])  # its parameters are in the shards already
                     return
                 if outcome != "kept":
