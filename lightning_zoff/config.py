@@ -50,10 +50,10 @@ class ZoffConfig:
         None, "module classes that become FSDP2 units; default: the repeated children of every `nn.ModuleList`; what"
               " they leave goes to the modules with a forward that hold it (containers walked into, tied modules one"
               " unit)")
-    activation_checkpointing_policy: ModuleClasses | Literal["auto"] = option(
+    activation_checkpointing_policy: ModuleClasses | Literal["auto"] | int = option(
         "auto", "module classes recomputed in backward instead of keeping their activations; `\"auto\"`: the blocks,"
                 " when the GPU cannot hold all the optimizer state beside the model (its room is worth more as state"
-                " then); none: `None`")
+                " then); a number N: the first N blocks in forward order, the others keep theirs; none: `None`")
     start_method: StartMethod = option(
         "subprocess", "how ranks start: Lightning's script re-run, or `\"fork\"`/`\"spawn\"`/`\"forkserver\"`"
                       " multiprocessing (fork is the fast choice on CPU)")
@@ -125,9 +125,12 @@ class ZoffConfig:
             raise TypeError(f"ZoffStrategy(param_init_fn={self.param_init_fn!r}): expected a callable(module), or"
                             " None.")
         set_(self, "wrap_policy", _classes("wrap_policy", self.wrap_policy) or None)
-        if self.activation_checkpointing_policy != "auto":
-            set_(self, "activation_checkpointing_policy",
-                 _classes("activation_checkpointing_policy", self.activation_checkpointing_policy))
+        policy = self.activation_checkpointing_policy
+        if isinstance(policy, int) and not isinstance(policy, bool):
+            if policy < 0:
+                raise ValueError(f"activation_checkpointing_policy={policy}; a number of blocks is 0 or more.")
+        elif policy != "auto":
+            set_(self, "activation_checkpointing_policy", _classes("activation_checkpointing_policy", policy))
 
     @property
     def moment_dtype(self) -> torch.dtype:

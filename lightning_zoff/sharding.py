@@ -268,6 +268,17 @@ def checkpoint_activations(model: nn.Module, classes: Iterable[type[nn.Module]],
     return [module for module in targets if checkpoint_activations_of(module, recompute=recompute)]
 
 
+def checkpoint_first_blocks(units: Sequence[Unit], count: int) -> None:
+    """Recompute the activations of the first `count` blocks (`units`' order: the model's, which forwards follow), so
+    only those pay a second forward for the memory their activations free."""
+    blocks = [unit.module for unit in units if unit.is_block]
+    if count > len(blocks):
+        raise ValueError(f"activation_checkpointing_policy={count}: the model has {len(blocks)} blocks; name at most"
+                         f" that many, or 'auto'.")
+    for block in blocks[:count]:
+        checkpoint_activations_of(block)
+
+
 def recompute_activations(modules: Sequence[nn.Module]) -> list[str]:
     """Switch on the recompute `checkpoint_activations` installed on `modules`; the names of the classes switched on
     (none when every one was on already)."""

@@ -29,7 +29,13 @@ from lightning_zoff.launch.group import RankGroup
 from lightning_zoff.offload import OffloadEngine, StepOutcome
 from lightning_zoff.placement import PlanDoesNotFit, RankMemory
 from lightning_zoff.precision_math import PrecisionMath
-from lightning_zoff.sharding import block_classes, checkpoint_activations, is_sharded, shard_model
+from lightning_zoff.sharding import (
+    block_classes,
+    checkpoint_activations,
+    checkpoint_first_blocks,
+    is_sharded,
+    shard_model,
+)
 from lightning_zoff.telemetry import StepTimer, step_metrics
 from lightning_zoff.units import Unit, forward_order, plan_units
 
@@ -77,7 +83,7 @@ class ShardedTraining:
         self.units = plan_units(module, self.config.wrap_policy, root_runs_forward=self.root_runs_forward)
         self.memory.read_machine(loader_workers)
         policy = self.config.activation_checkpointing_policy
-        recomputed: set[type[nn.Module]] = set() if policy == "auto" else set(policy)
+        recomputed: set[type[nn.Module]] = set() if policy == "auto" or isinstance(policy, int) else set(policy)
         self._refusal = None
         if self.config.offload:
             try:
@@ -89,6 +95,8 @@ class ShardedTraining:
                 self._refusal = refusal
         if policy == "auto":  # installed on the blocks even when not chosen: switched on if a step runs out of memory
             self.recomputable = checkpoint_activations(module, block_classes(self.units), recompute=bool(recomputed))
+        elif isinstance(policy, int):
+            checkpoint_first_blocks(self.units, policy)
         else:
             checkpoint_activations(module, recomputed)
         mesh = init_device_mesh(self.group.device.type, (self.group.world_size,))

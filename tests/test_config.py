@@ -44,6 +44,7 @@ def test_the_hydra_config_lists_every_option_with_its_default():
     (dict(activation_checkpointing_policy="all"), r"activation_checkpointing_policy='all'\): expected module classes"),
     (dict(state_dict_type="dcp"), r"state_dict_type='dcp'; choose 'sharded' or 'full'"),
     (dict(accelerator_state=2), r"accelerator_state=2; choose 'auto', 'none' or a fraction"),
+    (dict(activation_checkpointing_policy=-1), r"activation_checkpointing_policy=-1; a number of blocks is 0 or more"),
 ])
 def test_a_bad_option_is_named_with_what_it_accepts(options, message):
     with pytest.raises((TypeError, ValueError), match=message):

@@ -330,7 +330,7 @@ class CountingModule(TinyModule):
 
 def test_activation_checkpointing_changes_no_loss(tmp_path):
     results = {}
-    for name, policy in (("plain", None), ("checkpointed", {CountingBlock})):
+    for name, policy in (("plain", None), ("checkpointed", {CountingBlock}), ("first_two", 2)):
         out = tmp_path / name
         out.mkdir()
         pl.seed_everything(7)
@@ -342,6 +342,16 @@ def test_activation_checkpointing_changes_no_loss(tmp_path):
     assert ac_losses == plain_losses  # bit for bit: the recomputed forward is the same computation
     assert plain_calls == 3 * 8
     assert ac_calls == 2 * plain_calls  # 8 micro-batches x 3 blocks, each run twice
+    # a number of blocks: only the first two recompute, and nothing changes either
+    two_losses, two_calls = results["first_two"]
+    assert two_losses == plain_losses
+    assert two_calls == plain_calls + 2 * 8
+
+
+def test_more_blocks_to_recompute_than_the_model_has_is_refused(tmp_path):
+    with pytest.raises((ValueError, ProcessRaisedException),
+                       match=r"activation_checkpointing_policy=4: the model has 3 blocks"):
+        fit(tmp_path, ZoffStrategy(start_method="fork", activation_checkpointing_policy=4), max_steps=1)
 
 
 def test_activation_checkpointing_policy_must_match_a_module(tmp_path):

@@ -64,8 +64,11 @@ class RankMemory:
         plan = plan_memory(sorted(shapes, key=lambda u: order.get(u.name, len(order))), options, self.machine,
                            config.accelerator_state, model_bytes=model_bytes,
                            masters_bytes=model_bytes * 4 // param_bytes)
-        if config.activation_checkpointing_policy != "auto":
-            return set(config.activation_checkpointing_policy)
+        policy = config.activation_checkpointing_policy
+        if isinstance(policy, int):
+            return set()  # a number of blocks: the core switches them on itself
+        if policy != "auto":
+            return set(policy)
         if accelerator_holds_all(plan):
             return set()
         blocks = block_classes(units)

@@ -64,7 +64,8 @@ class ZoffStrategy(FrontDoor, ParallelStrategy):
         accelerator_state: Literal["auto", "none"] | float = "auto",
         accelerator_update_share: Literal["auto", "none"] | float = "auto",
         wrap_policy: set[type[nn.Module]] | list[type[nn.Module]] | None = None,
-        activation_checkpointing_policy: set[type[nn.Module]] | list[type[nn.Module]] | Literal["auto"] | None = "auto",
+        activation_checkpointing_policy: set[type[nn.Module]] | list[type[nn.Module]] | Literal["auto"] | int | None
+        = "auto",
         start_method: StartMethod = "subprocess",
         weights_to_main_process: bool = False,
         pin_memory: bool = True,
