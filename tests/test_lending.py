@@ -74,6 +74,28 @@ def test_lent_updates_give_the_host_kernels_bits(tmp_path, share, accumulate):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize(("share", "pinned"), [(0.5, True), ("none", False)])
+def test_the_host_state_is_asked_pinned_at_setup_where_the_plan_lends(tmp_path, monkeypatch, share, pinned):
+    # where the GPU takes a share, the host's masters and moments cross PCIe: they are pinned when made, not when first
+    # lent (a step that lent a new unit waited for cudaHostRegister). Recorded from the forked ranks into a file.
+    import lightning_zoff.offload.unit_state as unit_state
+
+    made = tmp_path / "made.txt"
+    real = unit_state.host_empty
+
+    def recording(numel, dtype, device, pin):
+        with made.open("a") as f:
+            f.write(f"{pin}\n")
+        return real(numel, dtype, device, pin)
+
+    monkeypatch.setattr(unit_state, "host_empty", recording)
+    fit(tmp_path, ZoffStrategy(start_method="fork", accelerator_state="none", accelerator_update_share=share),
+        max_steps=1)
+    asked = made.read_text().split()
+    assert len(asked) == 2 * 3 * 4  # master and two moments of 4 units on each of 2 ranks
+    assert set(asked) == {str(pinned)}
+
+
 def test_no_share_without_pinned_memory(tmp_path):
     # the share streams the host's state: pageable memory would stop the worker at every piece, so none is planned
     fit(tmp_path, ZoffStrategy(start_method="fork", accelerator_state="none", accelerator_update_share=1.0,
