@@ -198,17 +198,17 @@ class OffloadEngine:
         units = [u for u in self.units if u.phase is not Phase.EMPTY]
         decision, outcome = decide(units, optimizer, max_norm, world_size=self.world_size, loss_scale=loss_scale,
                                    sumsq=self.landing.sumsq)
+        as_speculated = not outcome.skipped and outcome.clip_coef == 1.0  # a speculation would have been kept
         if self.scheduler is not None:
-            self.scheduler.decided(as_speculated=not outcome.skipped and outcome.clip_coef == 1.0)
+            self.scheduler.decided(as_speculated=as_speculated)
         landed = self.landing.landed_order
         order = landed[::-1] + [u for u in units if u not in landed]  # about the order the next forward needs them
-        lent = self._lent_units(order, decision, as_speculated=not outcome.skipped and outcome.clip_coef == 1.0)
+        lent = self._lent_units(order, decision, as_speculated)
         if not decision.skipped:  # counted here, so each step reports its own copies even when they end during the next
             host_units = [unit for unit in units if unit.placement is Placement.HOST and unit not in lent]
             self.traffic.add(h2d_bytes=sum(p.slot.local.nbytes for unit in host_units
                                            for p, used in zip(unit.trained, decision.used[unit], strict=True) if used))
-            for unit in lent:  # its state goes up and back, its gradient up; its 16-bit copy is written on the GPU
-                elements = sum(run.numel for run in kernel_runs(unit.trained, decision.used[unit]))
+            for unit, elements in lent.items():  # its state goes up and back, its gradient up; no 16-bit copy goes up
                 state = elements * sum(t.element_size() for t in unit.state)
                 assert unit.window_grad is not None
                 self.traffic.add(lent_units=1, lent_elements=elements, d2h_bytes=state,
@@ -223,28 +223,27 @@ class OffloadEngine:
                 self.updates.finalize(unit, decision, unit in lent)
         return outcome
 
-    def _lent_units(self, order: list[UnitState], decision: Decision, as_speculated: bool) -> set[UnitState]:
-        """The host units whose update the accelerator runs this step (`update_split.py`), in forward `order`: of those
-        the decision updates, not those whose kept speculation holds the update already."""
+    def _lent_units(self, order: list[UnitState], decision: Decision, as_speculated: bool) -> dict[UnitState, int]:
+        """The host units whose update the accelerator runs this step (`update_split.py`), with the elements each
+        updates, in forward `order`: of those the decision updates, not those a kept speculation updated already."""
         lent, split = self.updates.lent, self.split
         if lent is None or split is None or decision.skipped:
-            return set()
+            return {}
         split.observed(host=self.updates.take_host_timing(), lent=lent.take_seconds_per_element())
         candidates = {unit: sum(run.numel for run in kernel_runs(unit.trained, decision.used[unit])) for unit in order
                       if unit.placement is Placement.HOST and unit.window_grad is not None
                       and unit.window_grad.element_size() <= lent.grad_itemsize
                       and not (as_speculated and unit.speculation is not None)}
         names = split.choose([(unit.layout.name, elements) for unit, elements in candidates.items()])
-        return {unit for unit in candidates if unit.layout.name in names}
+        return {unit: elements for unit, elements in candidates.items() if unit.layout.name in names}
 
     def _fit_lending(self) -> None:
-        """Slots for the lent updates as the plan has them now (none where it lends nothing), and the split."""
-        plan, lent = self.plan, self.updates.lent
+        """Slots for the lent updates as the plan has them now (none where it lends nothing), and the split; at setup
+        and after a move (which waited for every update in flight)."""
+        plan = self.plan
         piece = plan.lend_piece
-        if lent is not None and lent.piece == piece:
+        if self.updates.lent is not None and self.updates.lent.piece == piece:
             return
-        if lent is not None:
-            lent.wait()
         self.updates.lent = None
         if piece and self.param_device.type == "cuda" and not all(
                 is_pinned(unit.master) for unit in self.units if unit.placement is Placement.HOST and unit.trained):
@@ -255,13 +254,12 @@ class OffloadEngine:
             self.split = None
             return
         options = plan.options
-        grad_bytes = max(options.sum_bytes, options.param_bytes)
-        state_bytes = 4 + options.moments * options.moment_bytes
         self.updates.lent = LentUpdates(self.rule, self.param_device, piece=piece, moments=options.moments,
-                                        moment_dtype=self.config.moment_dtype, grad_itemsize=grad_bytes)
+                                        moment_dtype=self.config.moment_dtype, grad_itemsize=options.lent_grad_bytes)
         if self.split is None:  # the host reads and writes the state, reads the gradient, writes the 16-bit copy
-            host_bytes = 2 * state_bytes + grad_bytes + options.param_bytes
-            self.split = UpdateSplit(options.update_share, host_bytes=host_bytes, up_bytes=state_bytes + grad_bytes)
+            state, grad = options.state_bytes(1), options.lent_grad_bytes
+            self.split = UpdateSplit(options.update_share, host_bytes=2 * state + grad + options.param_bytes,
+                                     up_bytes=options.lend_slot_bytes(1))
 
     # -- the next forward: each unit waits for its own update -----------------------------------------------
 

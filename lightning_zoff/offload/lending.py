@@ -29,7 +29,6 @@ from lightning_zoff.offload.fsdp_hooks import record_event
 from lightning_zoff.offload.unit_state import TrainedParam, UnitState, UpdateKey
 from lightning_zoff.optim.host_math import update_as_host, workspace_bytes
 from lightning_zoff.optim.rules import GroupHyperparams, UpdateRule
-from lightning_zoff.placement.host_buffers import pin_later
 from lightning_zoff.placement.plan import LEND_SLOTS
 
 
@@ -78,8 +77,6 @@ class LentUpdates:
         `unit.params_copied` (the shards are written) and `unit.state_back` (the host's state is whole again)."""
         grad = unit.window_grad
         assert grad is not None
-        for tensor in [*unit.state, grad]:
-            pin_later(tensor)  # pinned at setup where the plan lends; a buffer made since (a window's sum) here
         first = self._timing_event(self.up)
         _wait(self.up, unit.state_back)  # its last lent update's state is back before it goes up again
         for run, hyper in zip(key.runs, key.hyper, strict=True):

@@ -31,8 +31,7 @@ class UnitUpdates:
 
     def __init__(self, rule: UpdateRule, optimizer: torch.optim.Optimizer, traffic: Traffic,
                  scheduler: HostScheduler | None, *, world_size: int, threads: int | None,
-                 h2d_stream: torch.cuda.Stream | None, compute_stream: torch.cuda.Stream | None,
-                 lent: LentUpdates | None = None) -> None:
+                 h2d_stream: torch.cuda.Stream | None, compute_stream: torch.cuda.Stream | None) -> None:
         self.rule = rule
         self.optimizer = optimizer
         self.traffic = traffic
@@ -41,7 +40,7 @@ class UnitUpdates:
         self.threads = threads
         self.h2d_stream = h2d_stream
         self.compute_stream = compute_stream
-        self.lent = lent
+        self.lent: LentUpdates | None = None  # the engine sets it where the plan lends (`_fit_lending`)
         self._host_timing = (0.0, 0)  # the host's decided updates since the last `take_host_timing`: seconds, elements
 
     def hyper(self) -> tuple[GroupHyperparams, ...]:

@@ -43,7 +43,7 @@ if _libc is not None:
     _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 _live: dict[int, int] = {}  # start -> length of every mapping alive: `mapped_ranges`
-_mappings: weakref.WeakValueDictionary[int, _Pages] = weakref.WeakValueDictionary()  # start -> mapping: `pin_later`
+_mappings: weakref.WeakValueDictionary[int, _Pages] = weakref.WeakValueDictionary()  # start -> mapping: `is_pinned`
 
 
 def _memlock_limit() -> str:
@@ -68,20 +68,6 @@ def host_empty(numel: int, dtype: torch.dtype, device: torch.device, pin: bool) 
         if error is not None:
             _warn_pageable(error)
     return tensor
-
-
-def pin_later(tensor: torch.Tensor) -> None:
-    """Pin the mapping that holds `tensor` (made by `host_empty`), if it is not yet and the OS allows it: for state
-    that only sometimes crosses PCIe (a host unit whose update the accelerator runs), pinned when it first does. A
-    tensor of another origin stays as it is."""
-    if not torch.cuda.is_available() or tensor.device.type != "cpu":
-        return
-    address = tensor.untyped_storage().data_ptr()
-    pages = _mappings.get(address)
-    if pages is not None and not pages.registered:
-        error = pages.register()
-        if error is not None:
-            _warn_pageable(error)
 
 
 def is_pinned(tensor: torch.Tensor) -> bool:

@@ -101,10 +101,14 @@ class StateOptions:
         fp32 copies of 16-bit moments."""
         return elements * (4 + 4 + 8 + (4 * self.moments if self.moment_bytes != 4 else 0))
 
+    @property
+    def lent_grad_bytes(self) -> int:
+        """Bytes of a lent element's gradient: the window sum's dtype or the model's, the wider."""
+        return max(self.sum_bytes, self.param_bytes)
+
     def lend_slot_bytes(self, elements: int) -> int:
-        """One slot a lent update's piece of `elements` passes through: its master, moments and gradient (in the
-        window sum's dtype or the model's)."""
-        return elements * (4 + self.moments * self.moment_bytes + max(self.sum_bytes, self.param_bytes))
+        """One slot a lent update's piece of `elements` passes through: its master, moments and gradient."""
+        return self.state_bytes(elements) + elements * self.lent_grad_bytes
 
 
 def unit_buffers(shape: UnitShape, options: StateOptions, placement: Placement) -> dict[str, int]:
