@@ -11,12 +11,13 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.distributed.utils import _apply_to_tensors
+from torch.utils._python_dispatch import TorchDispatchMode as DispatchMode
 
 __all__ = [
-    "all_gather_streams", "apply_to_tensors", "before_reduce", "checkpoint_activations_of", "dcp_data_extents",
-    "direct_tensors", "fsdp_param_group", "fused_adam_step", "hf_init_weights", "init_as_root", "is_view",
-    "recomputes_activations", "replace_direct_tensor", "restore_post_backward", "set_recompute", "unit_modules",
-    "unit_params",
+    "DispatchMode", "all_gather_streams", "apply_to_tensors", "before_reduce", "checkpoint_activations_of",
+    "dcp_data_extents", "direct_tensors", "fake_tensor_mode", "fsdp_param_group", "fused_adam_step", "hf_init_weights",
+    "init_as_root", "is_view", "recomputes_activations", "replace_direct_tensor", "restore_post_backward",
+    "set_recompute", "unit_modules", "unit_params",
 ]
 
 
@@ -88,6 +89,14 @@ def apply_to_tensors(fn: Callable[[torch.Tensor], torch.Tensor], output: Any) ->
     """`output` with `fn` applied to each tensor in it, through tuples, lists, dicts and dataclasses (rebuilt): the
     traversal FSDP2 itself casts a unit's output with."""
     return _apply_to_tensors(fn, output)
+
+
+def fake_tensor_mode() -> Any:
+    """torch's fake tensor mode: ops inside it make tensors of the right shape, dtype and device, with no data and no
+    memory (what torch.compile traces with). `DispatchMode` is the base class of a mode that sees every op."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
 
 
 def fused_adam_step(decoupled: bool) -> Callable[..., None]:

@@ -28,6 +28,7 @@ __all__ = [
     "SubprocessScriptLauncher", "WorkerOutput", "distributed_is_initialized", "fabric_strategy_precision",
     "init_dist_connection", "launcher_strategy", "optimizers_of", "set_fabric_strategy_precision",
     "set_strategy_launcher", "set_strategy_precision_plugin", "strategy_precision_plugin", "sync_ddp_if_available",
+    "train_data_source",
 ]
 
 
@@ -67,3 +68,9 @@ def fabric_strategy_precision(strategy: Any) -> Any:
 def set_fabric_strategy_precision(strategy: Any, plugin: Any) -> None:
     """Store `plugin` where Fabric's `Strategy.precision` reads it (zoff's property overrides that one)."""
     strategy._precision = plugin
+
+
+def train_data_source(trainer: Any) -> Any:
+    """The source of `fit`'s train data, before the fit loop loads it: `.instance` is what `fit` was given (DataLoaders,
+    or the DataModule or LightningModule whose hook builds them), `.dataloader()` builds them as the loop will."""
+    return getattr(getattr(trainer, "fit_loop", None), "_data_source", None)

@@ -21,6 +21,7 @@ from torch import nn
 
 from lightning_zoff.config import ZoffConfig
 from lightning_zoff.offload import OffloadEngine, StepOutcome
+from lightning_zoff.placement import StepProbe
 from lightning_zoff.precision_math import PrecisionMath
 
 
@@ -70,7 +71,8 @@ class Core(Protocol):
         """The engine's memory by kind and side, as last reported."""
 
     def shard(self, module: nn.Module, param_dtype: torch.dtype, *, fitting: bool,
-              accumulate_grad_batches: int = 1, loader_workers: int = 0) -> None: ...
+              accumulate_grad_batches: int = 1, loader_workers: int = 0,
+              step_probe: StepProbe | None = None) -> None: ...
 
     def build_engine(self, optimizer: torch.optim.Optimizer, accumulate_grad_batches: int = 1) -> OffloadEngine: ...
 

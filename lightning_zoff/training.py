@@ -27,7 +27,7 @@ from lightning_zoff.host_watch import HostMemoryLow
 from lightning_zoff.launch.cpus import CpuLayout, rank_layout, torch_threads
 from lightning_zoff.launch.group import RankGroup
 from lightning_zoff.offload import OffloadEngine, StepOutcome
-from lightning_zoff.placement import PlanDoesNotFit, RankMemory
+from lightning_zoff.placement import PlanDoesNotFit, RankMemory, StepProbe
 from lightning_zoff.precision_math import PrecisionMath
 from lightning_zoff.sharding import (
     block_classes,
@@ -68,13 +68,15 @@ class ShardedTraining:
     # -- setup ----------------------------------------------------------------------------------------------
 
     def shard(self, module: nn.Module, param_dtype: torch.dtype, *, fitting: bool,
-              accumulate_grad_batches: int = 1, loader_workers: int = 0) -> None:
+              accumulate_grad_batches: int = 1, loader_workers: int = 0, step_probe: StepProbe | None = None) -> None:
         """Shard `module` in place into FSDP2 units of `param_dtype` shards, keeping this rank's fp32 masters, unless it
         came sharded. With offload, the optimizer state is planned first: a model whose state cannot fit is refused
         here, before anything is allocated, when `fitting`; else (a model set up before its optimizer, or for
         evaluation) when an optimizer is set up. A module built on the meta device is materialised a unit at a time.
-        `loader_workers`: the rank's DataLoader workers, kept room for on the host. From then on the module's
-        `load_state_dict` of whole tensors loads as `load_full_state_dict` does (`checkpoint/whole_loads.py`)."""
+        `loader_workers`: the rank's DataLoader workers, kept room for on the host; `step_probe`: a batch and the step's
+        loss, traced so that the plan counts the step's own memory on a GPU (`placement/step_trace.py`). From then on
+        the module's `load_state_dict` of whole tensors loads as `load_full_state_dict` does
+        (`checkpoint/whole_loads.py`)."""
         self.module = module
         if is_sharded(module):
             route_whole_loads(module, self)  # this core holds it now
@@ -83,22 +85,22 @@ class ShardedTraining:
         self.units = plan_units(module, self.config.wrap_policy, root_runs_forward=self.root_runs_forward)
         self.memory.read_machine(loader_workers)
         policy = self.config.activation_checkpointing_policy
-        recomputed: set[type[nn.Module]] = set() if policy == "auto" or isinstance(policy, int) else set(policy)
+        self.recomputable = []
+        if policy == "auto":  # installed on the blocks switched off: the plan or a step out of memory switches it on
+            self.recomputable = checkpoint_activations(module, block_classes(self.units), recompute=False)
+        elif isinstance(policy, int):
+            checkpoint_first_blocks(self.units, policy)
+        else:
+            checkpoint_activations(module, policy)
         self._refusal = None
         if self.config.offload:
             try:
-                recomputed = self.memory.check_before_sharding(module, self.units, accumulate_grad_batches,
-                                                               param_dtype.itemsize)
+                self.memory.check_before_sharding(module, self.units, accumulate_grad_batches, param_dtype,
+                                                  step_probe, self.recomputable)
             except PlanDoesNotFit as refusal:
                 if fitting:
                     raise
                 self._refusal = refusal
-        if policy == "auto":  # installed on the blocks even when not chosen: switched on if a step runs out of memory
-            self.recomputable = checkpoint_activations(module, block_classes(self.units), recompute=bool(recomputed))
-        elif isinstance(policy, int):
-            checkpoint_first_blocks(self.units, policy)
-        else:
-            checkpoint_activations(module, recomputed)
         mesh = init_device_mesh(self.group.device.type, (self.group.world_size,))
         with torch_threads(len(self.cpu_layout.cores)):  # meta init and master copies: no kernels run yet
             self.masters = shard_model(module, self.units, mesh, param_dtype, self.config.param_init_fn)
@@ -121,7 +123,7 @@ class ShardedTraining:
             self.engine = OffloadEngine(units, self.masters, optimizer, self.config,
                                         world_size=self.group.world_size, machine=machine,
                                         accumulate_grad_batches=accumulate_grad_batches, threads=threads,
-                                        forward_order=forward_order(module, self.units))
+                                        forward_order=forward_order(module, self.units), step=self.memory.step)
         self.engine.attach()
         self.masters = {}
         self.memory.engine_built(self.engine)

@@ -276,13 +276,19 @@ def test_the_bench_data_comes_from_loader_workers():
 
 
 def test_the_plan_beside_the_tree():
-    memory = {"host_total": 80e9, "host_capacity": 110e9}
+    memory = {"host_total": 80e9, "host_capacity": 110e9, "host_kept": 20e9}
     assert bench.plan_against_tree(memory, 1, int(95e9)) == {
-        "plan_host_gb": 80.0, "plan_host_capacity_gb": 110.0, "tree_pss_beyond_plan_gb": pytest.approx(15.0),
-        "tree_pss_within_plan_capacity": True}
-    assert bench.plan_against_tree(memory, 2, int(230e9))["tree_pss_within_plan_capacity"] is False
+        "plan_host_gb": 80.0, "plan_host_capacity_gb": 110.0, "plan_host_available_gb": 130.0,
+        "tree_pss_beyond_plan_gb": pytest.approx(15.0), "tree_pss_within_plan_capacity": True,
+        "tree_pss_within_plan": True}
+    # past what zoff may hold, within what the host had: the rest of the tree used what the plan kept for it
+    beyond = bench.plan_against_tree(memory, 2, int(230e9))
+    assert beyond["tree_pss_within_plan_capacity"] is False
+    assert beyond["tree_pss_within_plan"] is True
+    assert bench.plan_against_tree(memory, 2, int(270e9))["tree_pss_within_plan"] is False
     assert bench.plan_against_tree(None, 1, int(95e9)) == {}  # not zoff: no plan
-    assert set(bench.plan_against_tree(memory, 1, None)) == {"plan_host_gb", "plan_host_capacity_gb"}
+    assert set(bench.plan_against_tree(memory, 1, None)) == {"plan_host_gb", "plan_host_capacity_gb",
+                                                             "plan_host_available_gb"}
 
 
 def test_the_runs_are_a_table_of_specs():

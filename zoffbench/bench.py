@@ -61,8 +61,11 @@ the tree's summed PSS (each shared page once: the honest figure of a tree with l
 ("pss_read_s": the longest pass, which the bench's own process spends walking the tree's page tables); "host_gb" is
 rank 0's own peak. zoff runs add the plan's host figures (its memory report, in "memory"): "plan_host_gb" (the host
 state it planned), "plan_host_capacity_gb" (what it may hold: the host's available memory less a reserve for the rest
-of the process), "tree_pss_beyond_plan_gb" (what the tree held besides: Python, CUDA, loader workers, ...) and
-"tree_pss_within_plan_capacity".
+of the process), "tree_pss_beyond_plan_gb" (what the tree held besides: Python, CUDA, loader workers, ...),
+"tree_pss_within_plan_capacity" (the whole tree within what zoff's state may hold: a strict bound),
+"plan_host_available_gb" (the host's available memory at setup, as the plan read it: zoff's capacity and what it kept
+for the rest of the tree) and "tree_pss_within_plan" (the whole tree within it: the plan's promise; the state
+`plan_host_gb` is the memory report after "auto"'s moves, so it can be less than the tree held at setup).
 """
 
 from __future__ import annotations
@@ -95,10 +98,13 @@ def plan_against_tree(memory: dict | None, devices: int, tree_pss: int | None) -
     if not memory or "host_total" not in memory:
         return {}
     planned, capacity = devices * memory["host_total"], devices * memory["host_capacity"]
-    figures = {"plan_host_gb": planned / 1e9, "plan_host_capacity_gb": capacity / 1e9}
+    available = capacity + devices * memory.get("host_kept", 0)
+    figures = {"plan_host_gb": planned / 1e9, "plan_host_capacity_gb": capacity / 1e9,
+               "plan_host_available_gb": available / 1e9}
     if tree_pss:
         figures |= {"tree_pss_beyond_plan_gb": (tree_pss - planned) / 1e9,
-                    "tree_pss_within_plan_capacity": tree_pss <= capacity}
+                    "tree_pss_within_plan_capacity": tree_pss <= capacity,
+                    "tree_pss_within_plan": tree_pss <= available}
     return figures
 
 

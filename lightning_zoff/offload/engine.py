@@ -73,6 +73,7 @@ from lightning_zoff.offload.updates import UnitUpdates
 from lightning_zoff.optim.rules import UpdateRule, update_rule_for, warn_if_bf16_moments_cannot_decay
 from lightning_zoff.placement import Machine, MemoryPlan, Placement, StateMover, StateOptions, plan_memory
 from lightning_zoff.placement.host_buffers import is_pinned
+from lightning_zoff.placement.plan import StepMemory
 
 if TYPE_CHECKING:
     from lightning_zoff.config import ZoffConfig
@@ -83,12 +84,13 @@ __all__ = ["OffloadEngine", "StepOutcome"]
 class OffloadEngine:
     """Holds one rank's fp32 master shard and optimizer state and runs the update for every FSDP2 unit. `masters`
     (fp32 shards by id of the sharded parameter) is emptied as the state takes them over; `machine`: what this rank
-    may use; `forward_order`: the units' names as a forward is expected to enter them."""
+    may use; `forward_order`: the units' names as a forward is expected to enter them; `step`: the step's own memory
+    on the accelerator, as traced at setup (the plan counts it)."""
 
     def __init__(self, units: list[tuple[str, nn.Module]], masters: dict[int, torch.Tensor],
                  optimizer: torch.optim.Optimizer, config: ZoffConfig, *, world_size: int, machine: Machine,
                  accumulate_grad_batches: int = 1, threads: int | None = None,
-                 forward_order: Sequence[str] | None = None) -> None:
+                 forward_order: Sequence[str] | None = None, step: StepMemory | None = None) -> None:
         self.config = config
         self.rule = update_rule_for(optimizer)
         self.optimizer = optimizer
@@ -115,7 +117,8 @@ class OffloadEngine:
         plan = plan_memory([unit_shape(by_name[name], group_of) for name in self.forward_order], options, machine,
                            config.accelerator_state if config.offload else "none", lion=moments == 1,
                            model_bytes=sum(t.nbytes for layout, _ in layouts for t in layout.local_shards),
-                           masters_bytes=sum(t.nbytes for t in masters.values()), all_on_accelerator=not config.offload)
+                           masters_bytes=sum(t.nbytes for t in masters.values()), all_on_accelerator=not config.offload,
+                           step=step)
         if config.moment_dtype == torch.bfloat16:
             warn_if_bf16_moments_cannot_decay(self.rule, optimizer)
         # the accelerator's units first: their fp32 copies leave the host before the host's state grows. Where the

@@ -3,6 +3,8 @@ how it moves. Three parts, each a module:
 
 - the plan (`plan.py`): every byte the engine allocates, per unit and side, frozen; made for the `Machine` a rank
   may use (`machine.py`), and refused with the options that would fit when it cannot (`refusal.py`);
+- the step (`step_trace.py`): the step's own memory on the accelerator, traced on fake tensors at a batch's shape,
+  which the plan counts beside the state;
 - the policy (`policy.py`): what goes where, by the `accelerator_state` option: at setup (`plan_memory`, the one entry
   point that plans) and after a step measured the accelerator (the units to move there or back);
 - the mechanism (`mover.py`): moving a unit's state as the policy chose, an exact copy that leaves nothing behind
@@ -22,6 +24,7 @@ from lightning_zoff.placement.plan import MemoryPlan, Placement, StateOptions, U
 from lightning_zoff.placement.policy import plan_memory
 from lightning_zoff.placement.rank import RankMemory
 from lightning_zoff.placement.refusal import PlanDoesNotFit
+from lightning_zoff.placement.step_trace import StepProbe
 
 __all__ = [
     "Machine",
@@ -31,6 +34,7 @@ __all__ = [
     "RankMemory",
     "StateMover",
     "StateOptions",
+    "StepProbe",
     "UnitShape",
     "margin_bytes",
     "plan_memory",

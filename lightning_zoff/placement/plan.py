@@ -127,6 +127,29 @@ def host_bytes_per_element(options: StateOptions) -> int:
 
 
 @dataclass(frozen=True)
+class StepMemory:
+    """A step's accelerator memory beside the model's shards and the optimizer state (`step_trace.py` measures it)."""
+
+    activations: int  # traced: the most bytes one micro-batch's own tensors held at once, forward and backward
+    gathered: int  # FSDP2's: two units' gathered parameters (one running, one prefetched) and one unsharded gradient
+    batch: str  # what was traced, for the lines that report it: "a batch of 4 x 4096"
+    samples: int = 1  # the batch's first dimension: activations scale with it
+
+    @property
+    def total(self) -> int:
+        return self.activations + self.gathered
+
+    def at_samples(self, samples: int) -> StepMemory:
+        """The step at a batch of `samples` instead, its activations scaled (an estimate: the trace saw one batch)."""
+        return replace(self, activations=self.activations * samples // self.samples, samples=samples,
+                       batch=f"a batch of {samples} (scaled)")
+
+    def describe(self) -> str:
+        return (f"the step at {self.batch} {size(self.total)} (activations {size(self.activations)}, FSDP2's gathered"
+                f" units {size(self.gathered)})")
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     shapes: tuple[UnitShape, ...]  # the units with trained parameters or a reduced gradient, in forward order
     options: StateOptions
@@ -136,6 +159,7 @@ class MemoryPlan:
     lion: bool = False
     spare_sets: int = 0
     spare_shape: UnitShape | None = None  # the shape the spare sets are made for
+    step: StepMemory | None = None  # the step's own memory on the accelerator, where a batch was traced
 
     # -- what the plan holds -----------------------------------------------------------------------------------
 
@@ -199,6 +223,24 @@ class MemoryPlan:
         """The engine's own on the accelerator: the units' state and the transients."""
         return self.state_on(Placement.ACCELERATOR) + self.accelerator_transient_bytes
 
+    @property
+    def step_bytes(self) -> int:
+        """The step's own memory on the accelerator: 0 where no batch was traced (the plan then counts no
+        activations)."""
+        return 0 if self.step is None else self.step.total
+
+    @property
+    def accelerator_reserve(self) -> int:
+        """Left free on the accelerator: "auto"'s margin where the step was not traced (room for its activations),
+        the allocator's slack where it was."""
+        return self.machine.accelerator_margin if self.step is None else self.machine.accelerator_slack
+
+    @property
+    def accelerator_need(self) -> int:
+        """What the accelerator must hold at the step's peak: the model's shards, the engine's bytes, the step's own
+        and what is left free."""
+        return self.model_bytes + self.accelerator_bytes + self.step_bytes + self.accelerator_reserve
+
     # -- checks ------------------------------------------------------------------------------------------------
 
     def host_setup_peak(self, masters_bytes: int) -> int:
@@ -215,12 +257,13 @@ class MemoryPlan:
         if host_need > self.machine.host_capacity:
             found.append(f"the host ({size(host_need)} needed, {size(self.machine.host_capacity)} usable)")
         capacity = self.machine.accelerator_capacity
-        if capacity is not None:
-            need = self.model_bytes + self.accelerator_bytes + self.machine.accelerator_margin
-            if need > capacity:
-                found.append(f"the accelerator ({size(need)} needed before activations: model"
-                             f" {size(self.model_bytes)}, optimizer state {size(self.accelerator_bytes)}, margin"
-                             f" {size(self.machine.accelerator_margin)}; {size(capacity)} usable)")
+        if capacity is not None and self.accelerator_need > capacity:
+            step = "before activations" if self.step is None else "at the step's peak"
+            found.append(f"the accelerator ({size(self.accelerator_need)} needed {step}: model"
+                         f" {size(self.model_bytes)}, optimizer state {size(self.accelerator_bytes)}, "
+                         + ("" if self.step is None else self.step.describe() + ", ")
+                         + f"{'margin' if self.step is None else 'slack'} {size(self.accelerator_reserve)};"
+                         f" {size(capacity)} usable)")
         return found
 
     # -- changes -----------------------------------------------------------------------------------------------
@@ -276,6 +319,7 @@ class MemoryPlan:
             "accelerator_transient": self.accelerator_transient_bytes,
             "accelerator_lending": self.lending_bytes,
             "accelerator_model": self.model_bytes,
+            "accelerator_step": self.step_bytes,
             "host_bytes_per_trained_param": self.host_bytes / max(1, sum(s.trained for s in host)),
         }
         if self.machine.accelerator_capacity is not None:

@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from lightning_zoff.placement.machine import Machine
-from lightning_zoff.placement.plan import MemoryPlan, Placement, StateOptions, UnitShape, unit_buffers
+from lightning_zoff.placement.machine import Machine, size
+from lightning_zoff.placement.plan import MemoryPlan, Placement, StateOptions, StepMemory, UnitShape, unit_buffers
 from lightning_zoff.placement.refusal import PlanDoesNotFit, refusal
 
 # -- at setup ------------------------------------------------------------------------------------------------------
@@ -31,14 +31,15 @@ from lightning_zoff.placement.refusal import PlanDoesNotFit, refusal
 
 def plan_memory(shapes: Sequence[UnitShape], options: StateOptions, machine: Machine, accelerator_state: str | float,
                 *, model_bytes: int, lion: bool = False, masters_bytes: int = 0,
-                all_on_accelerator: bool = False) -> MemoryPlan:
+                all_on_accelerator: bool = False, step: StepMemory | None = None) -> MemoryPlan:
     """Place every unit (`shapes` in forward order) and size the spare sets; raise `PlanDoesNotFit` when the machine
-    cannot hold the result (`masters_bytes`: the fp32 copies the state is built from, held meanwhile).
+    cannot hold the result (`masters_bytes`: the fp32 copies the state is built from, held meanwhile; `step`: the
+    step's own memory on the accelerator, where a batch was traced).
 
     `accelerator_state`: "none" keeps all state on the host; a fraction puts the first units in forward order up to that
     share of the trained elements on the accelerator; "auto" (on a GPU) puts there only the first units the host cannot
     hold (the rest may follow once a step measured the accelerator's peak: `more_for_accelerator`)."""
-    base = MemoryPlan(tuple(shapes), options, {}, machine, model_bytes, lion)
+    base = MemoryPlan(tuple(shapes), options, {}, machine, model_bytes, lion, step=step)
     plan = place(base, "all" if all_on_accelerator else accelerator_state)
     problems = plan.problems(masters_bytes)
     if problems:
@@ -70,7 +71,8 @@ def place(plan: MemoryPlan, accelerator_state: str | float) -> MemoryPlan:
 def options_that_fit(plan: MemoryPlan, accelerator_state: str | float, masters_bytes: int
                      ) -> list[tuple[str, MemoryPlan]]:
     """For a plan that does not fit: the options that would (checked by placing anew), each with its plan; bf16
-    moments first, then the first other `accelerator_state` that fits."""
+    moments first, then the first other `accelerator_state` that fits, then the largest smaller batch that fits (its
+    activations scaled from the traced one's)."""
     options = plan.options
     fits = []
     if options.moment_bytes == 4:
@@ -81,6 +83,13 @@ def options_that_fit(plan: MemoryPlan, accelerator_state: str | float, masters_b
         placed = place(plan, state)
         if state != accelerator_state and not placed.problems(masters_bytes):
             fits.append((f"accelerator_state={state!r}", placed))
+            break
+    step = plan.step
+    for samples in range(step.samples - 1 if step else 0, 0, -1):
+        assert step is not None
+        smaller = place(replace(plan, step=step.at_samples(samples)), accelerator_state)
+        if not smaller.problems(masters_bytes):
+            fits.append((f"a batch of {samples} (about {size(smaller.step_bytes)} for the step)", smaller))
             break
     return fits
 
@@ -115,14 +124,13 @@ def fewest_for_host(units: Sequence[UnitShape], host_sizes: Mapping[str, int], c
 
 
 def accelerator_holds_all(plan: MemoryPlan) -> bool:
-    """Whether the accelerator could hold every unit's state beside the model and the margin, activations aside:
+    """Whether the accelerator could hold every unit's state beside the model, the step (where traced) and the margin:
     where it cannot, the host takes state, and memory the activations free on the accelerator is worth more as state
     there than the recomputation costs (the host's update, not the accelerator, sets the pace)."""
     capacity = plan.machine.accelerator_capacity
     if capacity is None:
         return True
-    on_accelerator = plan.with_placement({s.name: Placement.ACCELERATOR for s in plan.shapes})
-    return plan.model_bytes + on_accelerator.accelerator_bytes + plan.machine.accelerator_margin <= capacity
+    return plan.with_placement({s.name: Placement.ACCELERATOR for s in plan.shapes}).accelerator_need <= capacity
 
 
 # -- after a step: the moves a measured peak asks for (the mover makes them) ----------------------------------------

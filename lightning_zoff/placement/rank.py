@@ -6,8 +6,9 @@ engine, and the bytes are the plan's."""
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -20,9 +21,11 @@ from lightning_zoff.host_watch import HostMemoryLow, available_bytes, floor_byte
 from lightning_zoff.launch.group import RankGroup, group_is_up
 from lightning_zoff.launch.node_log import log_for_node
 from lightning_zoff.placement.machine import Machine, measure_machine, size
-from lightning_zoff.placement.plan import MemoryPlan, Placement, StateOptions, UnitShape
+from lightning_zoff.placement.plan import MemoryPlan, Placement, StateOptions, StepMemory, UnitShape
 from lightning_zoff.placement.policy import accelerator_holds_all, back_for_room, plan_memory
-from lightning_zoff.sharding import block_classes, owned_params, padded_shard_numel, recompute_activations
+from lightning_zoff.placement.refusal import PlanDoesNotFit
+from lightning_zoff.placement.step_trace import StepProbe, measure_step
+from lightning_zoff.sharding import owned_params, padded_shard_numel, recompute_activations
 from lightning_zoff.units import Unit, forward_order
 
 if TYPE_CHECKING:  # the engine's type: this drives it, and loads none of the pipeline
@@ -42,6 +45,7 @@ class RankMemory:
         self._placing_by_peak = False  # "auto" on a GPU: after the next step, by its measured peak
         self._moved_back = False
         self._floor = floor_bytes(config.host_memory_floor)
+        self.step: StepMemory | None = None  # the step's own memory on the accelerator, as traced at setup
 
     def read_machine(self, loader_workers: int = 0) -> Machine:
         """The machine every rank plans with (`measure_machine`: the least any rank measured); `loader_workers`: each
@@ -49,33 +53,57 @@ class RankMemory:
         self.machine = measure_machine(self.group, loader_workers)
         return self.machine
 
-    def check_before_sharding(self, module: nn.Module, units: list[Unit],
-                              accumulate_grad_batches: int, param_bytes: int) -> set[type[nn.Module]]:
-        """Refuse a model whose optimizer state cannot fit this machine before any of it (or the sharded model) is
-        allocated: the engine's plan, assuming the optimizer trains every parameter that requires a gradient, with
-        shards of `param_bytes` per element. The module classes whose activations to recompute."""
-        config = self.config
-        assert self.machine is not None
+    def check_before_sharding(self, module: nn.Module, units: list[Unit], accumulate_grad_batches: int,
+                              param_dtype: torch.dtype, probe: StepProbe | None = None,
+                              recomputable: Sequence[nn.Module] = ()) -> None:
+        """Refuse a model whose optimizer state and step cannot fit this machine before any of it (or the sharded model)
+        is allocated: the engine's plan, assuming the optimizer trains every parameter that requires a gradient, with
+        shards of `param_dtype`, and on a GPU the step at `probe`'s batch, traced on fake tensors. "auto" switches on
+        the recompute installed (switched off) on the `recomputable` blocks where the accelerator cannot hold every
+        unit's state beside the step, or the step fits only so."""
+        config, machine = self.config, self.machine
+        assert machine is not None
+        param_bytes = param_dtype.itemsize
         shapes, model_bytes = unit_shapes_before_sharding(module, units, self.group.world_size, param_bytes)
-        order = {name: i for i, name in enumerate(forward_order(module, units))}
+        forward = forward_order(module, units)
+        order = {name: i for i, name in enumerate(forward)}
         # Adam's two moments: the most any supported optimizer keeps
         options = StateOptions.of(config, param_bytes=param_bytes, moments=2,
                                   sums_windows=accumulate_grad_batches > 1)
-        plan = plan_memory(sorted(shapes, key=lambda u: order.get(u.name, len(order))), options, self.machine,
-                           config.accelerator_state, model_bytes=model_bytes,
-                           masters_bytes=model_bytes * 4 // param_bytes)
-        policy = config.activation_checkpointing_policy
-        if isinstance(policy, int):
-            return set()  # a number of blocks: the core switches them on itself
-        if policy != "auto":
-            return set(policy)
-        if accelerator_holds_all(plan):
-            return set()
-        blocks = block_classes(units)
-        names = ", ".join(sorted(c.__name__ for c in blocks))
-        self._say(f"recomputing {names} activations ('auto'): state {self._all_state(plan) / 1e9:.1f} GB + model"
-                  f" {plan.model_bytes / 1e9:.1f} GB > GPU {(plan.machine.accelerator_capacity or 0) / 1e9:.1f} GB")
-        return blocks
+        gathered = gathered_bytes(module, units, param_bytes, forward)
+        traced = probe if machine.accelerator_capacity is not None else None  # a CPU holds any step
+
+        def plan_with(step: StepMemory | None) -> MemoryPlan:
+            return plan_memory(sorted(shapes, key=lambda u: order.get(u.name, len(order))), options, machine,
+                               config.accelerator_state, model_bytes=model_bytes,
+                               masters_bytes=model_bytes * 4 // param_bytes, step=step)
+
+        step = self.step = measure_step(module, traced, self.group.device, param_dtype, gathered)
+        if config.activation_checkpointing_policy != "auto" or not recomputable:
+            self._say_step(plan_with(step).step)
+            return
+        try:
+            plan = plan_with(step)
+            recompute = not accelerator_holds_all(plan)
+        except PlanDoesNotFit:
+            if step is None:
+                raise  # the state alone does not fit: recompute would not change that
+            recompute = True
+        if not recompute:
+            self._say_step(step)
+            return
+        names = ", ".join(recompute_activations(recomputable))
+        recomputed = self.step = measure_step(module, traced, self.group.device, param_dtype, gathered)
+        plan = plan_with(recomputed)  # refuses a step that does not fit even so
+        why = (f"the step at {step.batch} needs {size(step.total)} without it, {size(plan.step_bytes)} with it"
+               if step is not None and recomputed is not None else
+               f"state {self._all_state(plan) / 1e9:.1f} GB + model {plan.model_bytes / 1e9:.1f} GB > GPU"
+               f" {(plan.machine.accelerator_capacity or 0) / 1e9:.1f} GB")
+        self._say(f"recomputing {names} activations ('auto'): {why}")
+
+    def _say_step(self, step: StepMemory | None) -> None:
+        if step is not None:
+            self._say(f"the plan counts {step.describe()}")
 
     @staticmethod
     def _all_state(plan: MemoryPlan) -> int:
@@ -210,6 +238,21 @@ def unit_shapes_before_sharding(model: nn.Module, units: list[Unit], world_size:
             reduced += padded if p.requires_grad else 0
         shapes.append(UnitShape(unit.name, reduced, reduced, True))
     return shapes, model_bytes
+
+
+def gathered_bytes(model: nn.Module, units: list[Unit], param_bytes: int, order: Sequence[str]) -> int:
+    """FSDP2's share of a step on the accelerator, from the units' sizes in forward order (`order`): in forward a unit's
+    gathered parameters and the next one's, prefetched; in backward also the unit's unsharded gradient before it is
+    reduced. The most over each pair of neighbours, one of them with its gradient."""
+    taken: dict[str, torch.Tensor] = {}
+    sizes = {}
+    for unit in units:
+        owned = owned_params(model, unit, taken)
+        taken.update(owned)
+        sizes[unit.name] = sum(p.numel() for _, p in owned) * param_bytes
+    ordered = [sizes[name] for name in order if name in sizes]
+    pairs = list(itertools.pairwise(ordered)) or [(size, 0) for size in ordered]
+    return max((a + b + max(a, b) for a, b in pairs), default=0)
 
 
 def describe_memory(report: dict[str, float]) -> str:

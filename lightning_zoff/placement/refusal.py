@@ -27,9 +27,14 @@ def refusal(plan: MemoryPlan, problems: list[str], fits: Sequence[tuple[str, Mem
              " accelerator).")
     listed = "; ".join(f"{option}: {_to_spare(fit, masters_bytes)}" for option, fit in fits)
     text = "Options that fit (checked by the plan): " + listed + ". " if fits else ""
-    return (needs + " " + text + "Beyond the plan, which counts no activations: activation checkpointing"
-            " (ZoffStrategy(activation_checkpointing_policy={YourBlock})) and a smaller batch leave the accelerator"
-            " more room for state; more ranks (GPUs or nodes) split the state among them.")
+    if plan.step is None:
+        beyond = ("Beyond the plan, which counts no activations: activation checkpointing"
+                  " (ZoffStrategy(activation_checkpointing_policy={YourBlock})) and a smaller batch leave the"
+                  " accelerator more room for state; more ranks (GPUs or nodes) split the state among them.")
+    else:
+        beyond = ("Beyond these: a shorter sequence leaves the step less to hold; more ranks (GPUs or nodes) split the"
+                  " state among them.")
+    return needs + " " + text + beyond
 
 
 def _to_spare(plan: MemoryPlan, masters_bytes: int) -> str:
@@ -38,6 +43,6 @@ def _to_spare(plan: MemoryPlan, masters_bytes: int) -> str:
     text = f"fits with {size(host)} to spare on the host"
     capacity = plan.machine.accelerator_capacity
     if capacity is not None:
-        accelerator = capacity - plan.model_bytes - plan.accelerator_bytes - plan.machine.accelerator_margin
-        text += f" and {size(accelerator)} on the accelerator before activations"
+        step = "before activations" if plan.step is None else "at the step's peak"
+        text += f" and {size(capacity - plan.accelerator_need)} on the accelerator {step}"
     return text

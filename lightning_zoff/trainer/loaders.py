@@ -10,6 +10,8 @@ from typing import Any
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
+from lightning_zoff._compat_lightning import train_data_source
+
 log = logging.getLogger("lightning_zoff")
 
 
@@ -19,7 +21,7 @@ def loader_workers(trainer: Any, configured: int | None) -> int:
     hyperparameter); 0 if none says. The hook itself is not called: it may be costly, and Lightning calls it later."""
     if configured is not None:
         return configured
-    source = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)
+    source = train_data_source(trainer)
     instance = getattr(source, "instance", None)
     if isinstance(instance, (pl.LightningModule, pl.LightningDataModule)):
         held = getattr(instance, "num_workers", None)

@@ -36,6 +36,7 @@ from lightning_zoff.trainer.loaders import check_counted, loader_workers
 from lightning_zoff.trainer.loops import continue_step_count, fabric_step_count
 from lightning_zoff.trainer.precision import ZoffPrecision
 from lightning_zoff.trainer.schedulers import SkipAwareScheduler
+from lightning_zoff.trainer.step_probe import step_probe
 
 
 @with_options_doc
@@ -187,11 +188,13 @@ class ZoffStrategy(FrontDoor, ParallelStrategy):
             # dict's keys are BatchNorm's, so checkpoints load into the plain model.
             self._layer_sync.apply(module)
         self._loader_workers = loader_workers(trainer, self.config.loader_workers)
-        self._training().shard(module, precision.param_dtype, fitting=trainer.state.fn == TrainerFn.FITTING,
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self._training().shard(module, precision.param_dtype, fitting=fitting,
                                accumulate_grad_batches=trainer.accumulate_grad_batches,
-                               loader_workers=self._loader_workers)
+                               loader_workers=self._loader_workers,
+                               step_probe=step_probe(trainer, module, precision.forward_context) if fitting else None)
         self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         # FSDP2's unsharded parameters must not become inference tensors, or a later fit cannot use them.

@@ -1,0 +1,217 @@
+"""The step's own accelerator memory, traced at setup on fake tensors (`placement/step_trace.py`): the trace against
+bytes counted by hand for a small model at a known shape, the plan that counts it (a step that does not fit refused
+in one line with the batch that would fit), and the Trainer's setup: the batch read from the DataLoader, "auto"
+switching recompute on where only so the step fits, the refusal before anything is allocated, and a step that cannot
+be traced falling back to the first step's peak."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from helpers import tiny
+from helpers.tiny import TinyLM, token_loader
+from helpers.trainer import fit
+from lightning_zoff import ZoffStrategy
+from lightning_zoff._compat import fake_tensor_mode
+from lightning_zoff.placement import Machine, PlanDoesNotFit, StateOptions, UnitShape, plan_memory, rank as rank_memory
+from lightning_zoff.placement.machine import GiB
+from lightning_zoff.placement.plan import StepMemory
+from lightning_zoff.placement.rank import gathered_bytes
+from lightning_zoff.placement.step_trace import LiveBytes, StepProbe, fake_parameters, trace_step
+from lightning_zoff.sharding import checkpoint_activations
+from lightning_zoff.units import forward_order, plan_units
+
+CPU = torch.device("cpu")
+BATCH = 4  # token_loader's
+F32 = 4
+
+
+def mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(256, 512, bias=False), nn.ReLU(), nn.Linear(512, 10, bias=False))
+
+
+def probe_of(model: nn.Module) -> StepProbe:
+    return StepProbe(lambda: torch.zeros(64, 256), lambda x: model(x).pow(2).mean(), contextlib.nullcontext)
+
+
+def test_the_trace_counts_a_step_by_hand():
+    model = mlp()
+    peak = trace_step(model, probe_of(model), torch.zeros(64, 256), CPU, torch.float32)
+    # the peak is at the first layer's weight gradient: the matmul makes it in the transposed layout (512 x 256) and
+    # autograd copies it into the weight's own; beside them only the loss and its gradient (4 bytes each). The
+    # activations (64 x 512) and the gradient at the first layer's output are gone by then (the matmul has read it; the
+    # batch needs no gradient); the parameters never count
+    assert peak == 2 * 512 * 256 * F32 + 2 * F32
+
+
+def test_the_forward_keeps_what_backward_needs_and_the_parameters_come_back():
+    model = mlp()
+    weights = list(model.parameters())
+    with torch.random.fork_rng(), contextlib.ExitStack() as stack:
+        stack.enter_context(fake_tensor_mode())
+        stack.enter_context(fake_parameters(model, CPU, torch.float32))
+        x = torch.empty(64, 256)
+        with LiveBytes() as live:
+            loss = model(x).pow(2).mean()
+            # kept: the ReLU's output (64 x 512: its own backward and the second layer's), the output (64 x 10: the
+            # square's backward), the loss; the first layer's output went once the ReLU had read it
+            assert live.now == 64 * 512 * F32 + 64 * 10 * F32 + F32
+            assert live.peak == 2 * 64 * 512 * F32  # the first layer's output and the ReLU's, at once
+            del loss
+    assert list(model.parameters()) == weights  # the real ones, not the fakes
+    assert all(p.grad is None and p.device == CPU for p in weights)
+
+
+def test_recompute_and_a_16_bit_model_hold_less():
+    model = TinyLM()
+    batch = (torch.zeros(4, tiny.SEQ, dtype=torch.long), torch.zeros(4, tiny.SEQ, dtype=torch.long))
+    probe = StepProbe(lambda: batch, lambda b: tiny.loss_of(model, *b), contextlib.nullcontext)
+    kept = trace_step(model, probe, batch, CPU, torch.float32)
+    half = trace_step(model, probe, batch, CPU, torch.bfloat16)
+    checkpoint_activations(model, {tiny.Block})
+    recomputed = trace_step(model, probe, batch, CPU, torch.float32)
+    assert recomputed < 0.6 * kept
+    assert half < 0.6 * kept
+
+
+def shapes() -> list[UnitShape]:
+    return [UnitShape(f"h.{i}", 10**8, 10**8, True) for i in range(4)]
+
+
+OPTIONS = StateOptions(param_bytes=2, moment_bytes=4, moments=2, sum_bytes=0)
+
+
+def test_the_plan_counts_the_step_and_names_the_batch_that_fits():
+    machine = Machine(10**13, 18 * GiB)  # 1 GiB of slack: 17 GiB for the model, the state and the step
+    step = StepMemory(activations=16 * GiB, gathered=GiB // 2, batch="a batch of 8 x 4096", samples=8)
+    with pytest.raises(PlanDoesNotFit) as refused:
+        plan_memory(shapes(), OPTIONS, machine, "none", model_bytes=GiB, step=step)
+    text = str(refused.value)
+    assert re.search(r"needed at the step's peak: model 1\.1 GB, optimizer state 0\.0 MB, the step at a batch of 8 x"
+                     r" 4096 17\.7 GB \(activations 17\.2 GB, FSDP2's gathered units 0\.5 GB\)", text), text
+    # 2 GiB a sample: 7 samples (14 GiB) and FSDP2's 0.5 fit beside the model's 1 and the slack's 1 in 18; 8 do not
+    assert "a batch of 7 (about 15.6 GB for the step): fits" in text
+    fits = plan_memory(shapes(), OPTIONS, machine, "none", model_bytes=GiB, step=step.at_samples(7))
+    assert fits.report()["accelerator_step"] == 7 * 2 * GiB + GiB // 2
+
+
+# -- the Trainer's setup ----------------------------------------------------------------------------------------
+
+
+class LoggingModule(pl.LightningModule):
+    """The tiny transformer trained as users write it: the loss logged, no value read on the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = TinyLM()
+
+    def training_step(self, batch, batch_idx):
+        loss = F.cross_entropy(self.model(batch[0]).float().flatten(0, 1), batch[1].flatten())
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return tiny.adamw(self)
+
+
+class Said:
+    """zoff's lines, as the rank logged them: the rank is a forked process, so they go through a file."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    @property
+    def lines(self) -> list[str]:
+        text = self.path.read_text() if self.path.exists() else ""
+        return [re.sub(r"^zoff rank \d+: ", "", line) for line in text.splitlines()]
+
+
+@pytest.fixture
+def said(tmp_path):
+    handler = logging.FileHandler(tmp_path / "said.log")
+    logger = logging.getLogger("lightning_zoff")
+    logger.addHandler(handler)
+    yield Said(tmp_path / "said.log")
+    logger.removeHandler(handler)
+    handler.close()
+
+
+def with_accelerator(monkeypatch, capacity: int) -> None:
+    """The rank plans for an accelerator of `capacity` bytes (the CPU stands in for it)."""
+    real = rank_memory.measure_machine
+
+    def measured(group, loader_workers=0):
+        return Machine(real(group, loader_workers).host_available, capacity, loader_workers)
+
+    monkeypatch.setattr(rank_memory, "measure_machine", measured)
+
+
+def step_bytes(module: nn.Module, recompute: bool) -> int:
+    batch = next(iter(token_loader(tiny.GLOBAL)))
+    probe = StepProbe(lambda: batch, lambda b: module.training_step(b, 0), contextlib.nullcontext)
+    if recompute:
+        checkpoint_activations(module, {tiny.Block})
+    return trace_step(module, probe, batch, CPU, torch.float32)
+
+
+def run(tmp_path, monkeypatch, capacity: int, module: pl.LightningModule | None = None) -> pl.Trainer:
+    with_accelerator(monkeypatch, capacity)
+    strategy = ZoffStrategy(start_method="fork", accelerator_state="none", accelerator_update_share="none")
+    monkeypatch.chdir(tmp_path)  # the rank inherits the patches: it is forked
+    return fit(module or LoggingModule(), token_loader(tiny.GLOBAL), strategy, devices=1, max_steps=1)
+
+
+def test_setup_counts_the_step_at_the_loaders_batch(tmp_path, monkeypatch, said):
+    run(tmp_path, monkeypatch, 4 * GiB)
+    counted = [line for line in said.lines if line.startswith("the plan counts the step at a batch of")]
+    assert len(counted) == 1, said.lines
+    assert counted[0].startswith(f"the plan counts the step at a batch of {BATCH} x {tiny.SEQ} ")
+    assert not any("recomputing" in line for line in said.lines)
+
+
+def test_auto_recomputes_where_only_so_the_step_fits(tmp_path, monkeypatch, said):
+    kept, recomputed = step_bytes(LoggingModule(), False), step_bytes(LoggingModule(), True)
+    module = LoggingModule()
+    model_bytes = sum(p.numel() for p in module.parameters()) * F32
+    # room for the model and the recomputing step beside 1 GiB of slack, not for the step that keeps its activations
+    capacity = GiB + model_bytes + (kept + recomputed) // 2 + 4 * model_bytes  # 4: FSDP2's share stays below it
+    run(tmp_path, monkeypatch, capacity, module)
+    recomputing = r"recomputing Block activations \('auto'\): the step at a batch of"
+    assert any(re.match(recomputing, line) for line in said.lines), said.lines
+
+
+def test_a_step_that_cannot_fit_is_refused_before_anything_is_allocated(tmp_path, monkeypatch):
+    with pytest.raises(PlanDoesNotFit, match=r"needed at the step's peak: .*the step at a batch of"):
+        run(tmp_path, monkeypatch, GiB + 1000)  # the slack and a kilobyte
+
+
+class ReadsTheLoss(LoggingModule):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.seen = loss.item()  # a value on the host: fake tensors have none
+        return loss
+
+
+def test_a_step_that_cannot_be_traced_counts_no_activations_and_says_so(tmp_path, monkeypatch, said):
+    run(tmp_path, monkeypatch, 4 * GiB, ReadsTheLoss())
+    assert any("could not be traced on fake tensors" in line for line in said.lines), said.lines
+    assert not any(line.startswith("the plan counts the step") for line in said.lines)
+
+
+def test_fsdp2s_share_is_two_neighbours_gathered_and_one_gradient():
+    model = TinyLM()
+    units = plan_units(model)
+    order = forward_order(model, units)
+    assert order == ["emb", "blocks.0", "blocks.1", "blocks.2", "ln_f", "head"]
+    block = 2 * 2 * tiny.DIM + (tiny.DIM * 3 * tiny.DIM + 3 * tiny.DIM) + (tiny.DIM * tiny.DIM + tiny.DIM) \
+        + (tiny.DIM * 4 * tiny.DIM + 4 * tiny.DIM) + (4 * tiny.DIM * tiny.DIM + tiny.DIM)  # two norms, four linears
+    # two neighbouring blocks gathered, one of them with its unsharded gradient: more than any pair with the ends
+    assert gathered_bytes(model, units, 2, order) == 3 * block * 2
