@@ -7,6 +7,7 @@ be traced falling back to the first step's peak."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import re
 
@@ -20,11 +21,12 @@ from helpers import tiny
 from helpers.tiny import TinyLM, token_loader
 from helpers.trainer import fit
 from lightning_zoff import ZoffStrategy
-from lightning_zoff._compat import fake_tensor_mode
+from lightning_zoff._compat import fake_tensor_mode, recomputes_activations, set_recompute
 from lightning_zoff.placement import Machine, PlanDoesNotFit, StateOptions, UnitShape, plan_memory, rank as rank_memory
 from lightning_zoff.placement.machine import GiB
 from lightning_zoff.placement.plan import StepMemory
-from lightning_zoff.placement.rank import gathered_bytes
+from lightning_zoff.placement.rank import RankMemory, gathered_bytes
+from lightning_zoff.placement.recompute_choice import fewest_blocks, linear_guess
 from lightning_zoff.placement.step_trace import LiveBytes, StepProbe, fake_parameters, trace_step
 from lightning_zoff.sharding import checkpoint_activations
 from lightning_zoff.units import forward_order, plan_units
@@ -184,7 +186,8 @@ def test_auto_recomputes_where_only_so_the_step_fits(tmp_path, monkeypatch, said
     # room for the model and the recomputing step beside 1 GiB of slack, not for the step that keeps its activations
     capacity = GiB + model_bytes + (kept + recomputed) // 2 + 4 * model_bytes  # 4: FSDP2's share stays below it
     run(tmp_path, monkeypatch, capacity, module)
-    recomputing = r"recomputing Block activations \('auto'\): the step at a batch of"
+    # the state is tiny: all of it fits beside a step that recomputes some blocks, so not all are recomputed
+    recomputing = r"recomputing the first [12] of 3 Block blocks' activations \('auto'\): the step at a batch of"
     assert any(re.match(recomputing, line) for line in said.lines), said.lines
 
 
@@ -215,3 +218,73 @@ def test_fsdp2s_share_is_two_neighbours_gathered_and_one_gradient():
         + (tiny.DIM * 4 * tiny.DIM + 4 * tiny.DIM) + (4 * tiny.DIM * tiny.DIM + tiny.DIM)  # two norms, four linears
     # two neighbouring blocks gathered, one of them with its unsharded gradient: more than any pair with the ends
     assert gathered_bytes(model, units, 2, order) == 3 * block * 2
+
+
+class TokensModule(pl.LightningDataModule):
+    def train_dataloader(self):
+        return token_loader(tiny.GLOBAL, batch_size=2)
+
+
+def test_a_datamodules_loader_gives_the_batch(tmp_path, monkeypatch, said):
+    with_accelerator(monkeypatch, 4 * GiB)
+    monkeypatch.chdir(tmp_path)
+    strategy = ZoffStrategy(start_method="fork", accelerator_state="none", accelerator_update_share="none")
+    fit(LoggingModule(), TokensModule(), strategy, devices=1, max_steps=1)
+    assert any(line.startswith(f"the plan counts the step at a batch of 2 x {tiny.SEQ} ") for line in said.lines), \
+        said.lines
+
+
+# -- how many blocks "auto" recomputes ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("guess", [1, 2, 3, 4])
+def test_the_fewest_blocks_that_fit_from_any_guess(guess):
+    asked = []
+
+    def fits(n):
+        asked.append(n)
+        return n >= 3
+
+    assert fewest_blocks(4, fits, guess) == 3
+    assert len(asked) <= abs(guess - 3) + 2  # a walk from the guess, one block at a time
+
+
+def test_the_linear_guess():
+    # none recomputed: 100 bytes, all 4: 20, so 20 a block; 50 of room needs 3 blocks (40 saved gives 60, 60 gives 40)
+    assert linear_guess(4, 100, 20, 50) == 3
+    assert linear_guess(4, 100, 20, 100) == 1  # at least one: the step did not fit without
+    assert linear_guess(4, 100, 100, 50) == 4  # nothing to save per block: all
+
+
+def test_auto_recomputes_the_fewest_first_blocks_that_let_all_the_state_fit():
+    model = TinyLM(n_blocks=4)
+    blocks = checkpoint_activations(model, {tiny.Block}, recompute=False)
+    batch = (torch.zeros(4, tiny.SEQ, dtype=torch.long), torch.zeros(4, tiny.SEQ, dtype=torch.long))
+    probe = StepProbe(lambda: batch, lambda b: tiny.loss_of(model, *b), contextlib.nullcontext)
+
+    def trace() -> StepMemory:
+        return StepMemory(trace_step(model, probe, batch, CPU, torch.float32), 0, "a batch", samples=4)
+
+    steps = []
+    for n in range(5):
+        for i, block in enumerate(blocks):
+            set_recompute(block, i < n)
+        steps.append(trace())
+    assert all(a.total > b.total for a, b in itertools.pairwise(steps))  # each block recomputed saves
+    no_state = [UnitShape("model", 0, 0, True)]
+
+    def plan_with(capacity):
+        return lambda step: plan_memory(no_state, OPTIONS, Machine(10**13, capacity), "none", model_bytes=0, step=step)
+
+    # the GPU holds its slack (1 GiB) and a step between two recomputed blocks' and one's: two it is
+    capacity = GiB + (steps[1].total + steps[2].total) // 2
+    chosen = RankMemory._fewer_blocks(blocks, steps[0], steps[4], trace, plan_with(capacity))
+    assert chosen is not None
+    assert chosen[0] == 2
+    assert chosen[1].total == steps[2].total
+    assert [recomputes_activations(b) for b in blocks] == [True, True, False, False]
+    # where even all four leave too little room for all the state: all of them, as before
+    for block in blocks:
+        set_recompute(block, True)
+    with pytest.raises(PlanDoesNotFit):
+        RankMemory._fewer_blocks(blocks, steps[0], steps[4], trace, plan_with(GiB + steps[4].total - 1))

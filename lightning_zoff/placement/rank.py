@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -16,13 +16,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_zoff._compat import finish_failed_backward
+from lightning_zoff._compat import finish_failed_backward, set_recompute
 from lightning_zoff.host_watch import HostMemoryLow, available_bytes, floor_bytes, stop_line
 from lightning_zoff.launch.group import RankGroup, group_is_up
 from lightning_zoff.launch.node_log import log_for_node
 from lightning_zoff.placement.machine import Machine, measure_machine, size
 from lightning_zoff.placement.plan import MemoryPlan, Placement, StateOptions, StepMemory, UnitShape
 from lightning_zoff.placement.policy import accelerator_holds_all, back_for_room, plan_memory
+from lightning_zoff.placement.recompute_choice import fewest_blocks, linear_guess
 from lightning_zoff.placement.refusal import PlanDoesNotFit
 from lightning_zoff.placement.step_trace import StepProbe, measure_step
 from lightning_zoff.sharding import owned_params, padded_shard_numel, recompute_activations
@@ -95,11 +96,52 @@ class RankMemory:
         names = ", ".join(recompute_activations(recomputable))
         recomputed = self.step = measure_step(module, traced, self.group.device, param_dtype, gathered)
         plan = plan_with(recomputed)  # refuses a step that does not fit even so
-        why = (f"the step at {step.batch} needs {size(step.total)} without it, {size(plan.step_bytes)} with it"
-               if step is not None and recomputed is not None else
-               f"state {self._all_state(plan) / 1e9:.1f} GB + model {plan.model_bytes / 1e9:.1f} GB > GPU"
-               f" {(plan.machine.accelerator_capacity or 0) / 1e9:.1f} GB")
-        self._say(f"recomputing {names} activations ('auto'): {why}")
+        if step is None or recomputed is None:
+            self._say(f"recomputing {names} activations ('auto'): state {self._all_state(plan) / 1e9:.1f} GB + model"
+                      f" {plan.model_bytes / 1e9:.1f} GB > GPU {(machine.accelerator_capacity or 0) / 1e9:.1f} GB")
+            return
+        fewer = self._fewer_blocks(recomputable, step, recomputed,
+                                   lambda: measure_step(module, traced, self.group.device, param_dtype, gathered),
+                                   plan_with)
+        if fewer is None:
+            self._say(f"recomputing {names} activations ('auto'): the step at {step.batch} needs {size(step.total)}"
+                      f" without it, {size(recomputed.total)} with it")
+            return
+        count, self.step = fewer
+        self._say(f"recomputing the first {count} of {len(recomputable)} {names} blocks' activations ('auto'): the"
+                  f" step at {step.batch} needs {size(step.total)} without, {size(self.step.total)} with them"
+                  f" ({size(recomputed.total)} with all): then the GPU can hold all the optimizer state beside it")
+
+    @staticmethod
+    def _fewer_blocks(blocks: Sequence[nn.Module], kept: StepMemory, recomputed: StepMemory,
+                      trace: Callable[[], StepMemory | None], plan_with: Callable[[StepMemory], MemoryPlan]
+                      ) -> tuple[int, StepMemory] | None:
+        """Where the accelerator can hold all the state beside the step with every block recomputed, the fewest
+        first `blocks` that let it (`recompute_choice.py`), switched on and the rest off, with their step; else None
+        (all stay on)."""
+        plan = plan_with(recomputed)
+        if not accelerator_holds_all(plan) or len(blocks) < 2:
+            return None
+        capacity = plan.machine.accelerator_capacity or 0
+        room = capacity - (plan.with_placement({s.name: Placement.ACCELERATOR for s in plan.shapes}).accelerator_need
+                           - recomputed.total)
+        traced: dict[int, StepMemory | None] = {len(blocks): recomputed}
+
+        def fits(n: int) -> bool:
+            for i, block in enumerate(blocks):
+                set_recompute(block, i < n)
+            traced[n] = step = trace()
+            try:
+                return step is not None and accelerator_holds_all(plan_with(step))
+            except PlanDoesNotFit:
+                return False
+
+        guess = linear_guess(len(blocks), kept.activations, recomputed.activations, room - kept.gathered)
+        count = fewest_blocks(len(blocks), fits, guess)
+        for i, block in enumerate(blocks):
+            set_recompute(block, i < count)
+        chosen = traced.get(count)
+        return None if chosen is None or count == len(blocks) else (count, chosen)
 
     def _say_step(self, step: StepMemory | None) -> None:
         if step is not None:
