@@ -51,9 +51,10 @@ class ZoffConfig:
               " they leave goes to the modules with a forward that hold it (containers walked into, tied modules one"
               " unit)")
     activation_checkpointing_policy: ModuleClasses | Literal["auto"] | int = option(
-        "auto", "module classes recomputed in backward instead of keeping their activations; `\"auto\"`: the blocks,"
-                " when the GPU cannot hold all the optimizer state beside the model (its room is worth more as state"
-                " then); a number N: the first N blocks in forward order, the others keep theirs; none: `None`")
+        "auto", "module classes recomputed in backward instead of keeping their activations; `\"auto\"`: all blocks"
+                " when the GPU cannot hold all the optimizer state beside the model and the traced step (its room is"
+                " worth more as state then), else the fewest first blocks that let it (none where the step fits as it"
+                " is); a number N: the first N blocks in forward order, the others keep theirs; none: `None`")
     start_method: StartMethod = option(
         "subprocess", "how ranks start: Lightning's script re-run, or `\"fork\"`/`\"spawn\"`/`\"forkserver\"`"
                       " multiprocessing (fork is the fast choice on CPU)")
