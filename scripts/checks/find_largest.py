@@ -7,10 +7,11 @@ until one trains. Each try is one scripts/bench/bench.py run in its own process 
 
 Shape: `--model`'s width, heads, vocabulary and sequence (gpt13b: d=5120, 40 heads, seq 1024) at `--batch` 4. The
 prediction (zoff runs) takes the host memory available now (less what a run's process holds before zoff plans, about
-`--process-gb`) and the GPU's memory, and asks the plan for the most layers whose state fits both after "auto" placed
-it, with the activations of activation checkpointing (which zoff turns on by itself there: `activation_checkpointing_
-policy="auto"`) and the all-gathers, gradients and logits of one step (`step_bytes`). DeepSpeed has no prediction:
-give its sizes with --layers (default: the zoff predictions and 20 layers).
+`--process-gb`) and the GPU's memory, and asks zoff's own plan for the most layers whose state and step fit after
+"auto" placed it: the step as zoff traces it at setup (`placement/step_trace.py`, blocks recomputed as "auto" does at
+these sizes, FSDP2's gathered units), traced at 2 and 4 layers and taken as linear in the layers. The run above the
+prediction should be refused at setup by the same plan, in one line. DeepSpeed has no prediction: give its sizes with
+--layers (default: the zoff predictions and 20 layers).
 
 Writes (results.write_result: `--out`, or bench/results/<date>_<machine>_largest.json) {"date", "machine",
 "command", "largest": {run: params of the largest that trained, 0 if none}, "predicted": {run: layers, as predicted
@@ -20,12 +21,23 @@ before any try}, "tries": [bench entries with "layers", "params", "outcome" ("tr
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
+import torch
+
+from lightning_zoff.examples.gpt import GPTModule
+from lightning_zoff.placement import Machine, PlanDoesNotFit, StateOptions, StepProbe, UnitShape, plan_memory
+from lightning_zoff.placement.plan import StepMemory
+from lightning_zoff.placement.rank import gathered_bytes
+from lightning_zoff.placement.step_trace import trace_step
+from lightning_zoff.sharding import block_classes, checkpoint_activations
+from lightning_zoff.units import forward_order, plan_units
 from zoffbench.harness import run_command
 from zoffbench.model_shapes import MODEL_NAMES, model_shape
 from zoffbench.results import ROOT, result_path, write_result
@@ -41,35 +53,44 @@ def gpt_params(cfg: dict, layers: int) -> int:
     return layers * block + root
 
 
-def step_bytes(cfg: dict, layers: int, batch: int) -> int:
-    """A step's accelerator memory besides the model and the optimizer state, with activation checkpointing: each
-    block's input, one block's activations recomputed (17 tensors of tokens x width), the logits and their gradient,
-    and the all-gathered parameters and unsharded gradients of two blocks in flight."""
-    d, tokens, vocab = cfg["n_embd"], batch * cfg["block_size"], cfg["vocab_size"]
-    block_params = 12 * d * d
-    return 2 * tokens * d * layers + 34 * tokens * d + 8 * tokens * vocab + 4 * 2 * block_params
+def traced_step(cfg: dict, layers: int, batch: int, device: torch.device) -> StepMemory:
+    """The product's trace of the bench GPT's step at `layers` layers and `batch` (`placement/step_trace.py`), its
+    blocks recomputed, as "auto" does at these sizes (the GPU cannot hold all their state beside the step), with
+    FSDP2's share from the units' sizes: what zoff's plan counts at setup. The model is built on the meta device."""
+    with torch.device("meta"):
+        module = GPTModule(**{**cfg, "n_layer": layers})
+    units = plan_units(module)
+    checkpoint_activations(module, block_classes(units))
+    seq = cfg["block_size"]
+    tokens = torch.zeros(batch, seq, dtype=torch.long)
+    autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
+    probe = StepProbe(lambda: (tokens, tokens), lambda b: module.model(*b)[1], autocast)
+    activations = trace_step(module, probe, (tokens, tokens), device, torch.bfloat16)
+    gathered = gathered_bytes(module, units, 2, forward_order(module, units))
+    return StepMemory(activations, gathered, f"a batch of {batch} x {seq}", samples=batch)
 
 
-def predict_layers(cfg: dict, batch: int, moment_bytes: int, host_available: int, gpu_total: int) -> int:
-    """The most layers whose optimizer state the memory plan fits beside `step_bytes` (0 if none)."""
-    from lightning_zoff.placement import Machine, PlanDoesNotFit, StateOptions, UnitShape, margin_bytes, plan_memory
-
-    options = StateOptions(param_bytes=2, moment_bytes=moment_bytes, moments=2, sum_bytes=0)
+def predict_layers(cfg: dict, batch: int, moment_bytes: int, host_available: int, gpu_total: int,
+                   device: torch.device) -> int:
+    """The most layers whose optimizer state and step the memory plan fits (0 if none): the plan zoff makes at setup,
+    with the step traced at two sizes and its activations taken as linear in the layers between (the blocks repeat)."""
+    # the defaults' options: the GPU's share of the host's updates takes its slots there
+    options = StateOptions(param_bytes=2, moment_bytes=moment_bytes, moments=2, sum_bytes=0, update_share="auto")
     machine = Machine(host_available, gpu_total)
     d = cfg["n_embd"]
     root = gpt_params(cfg, 0)
+    two, four = traced_step(cfg, 2, batch, device), traced_step(cfg, 4, batch, device)
+    per_layer = (four.activations - two.activations) / 2
     best = 0
     for layers in range(1, 400):
         shapes = [UnitShape("model", root, root, True)]
         shapes += [UnitShape(f"model.blocks.{i}", 12 * d * d + 2 * d, 12 * d * d + 2 * d, True) for i in range(layers)]
         model_bytes = 2 * gpt_params(cfg, layers)
-        try:  # "auto" at setup: the host holds all it can, the GPU the rest
-            plan = plan_memory(shapes, options, machine, "auto", model_bytes=model_bytes,
-                               masters_bytes=2 * model_bytes)
+        step = replace(four, activations=int(four.activations + (layers - 4) * per_layer))
+        try:  # "auto" at setup: the host holds all it can, the GPU the rest beside the step
+            plan_memory(shapes, options, machine, "auto", model_bytes=model_bytes, masters_bytes=2 * model_bytes,
+                        step=step)
         except PlanDoesNotFit:
-            break
-        need = model_bytes + plan.accelerator_bytes + step_bytes(cfg, layers, batch) + margin_bytes(gpu_total)
-        if need > gpu_total:
             break
         best = layers
     return best
@@ -123,7 +144,9 @@ def main() -> None:
     cfg = model_shape(args.model)
     host = int(psutil.virtual_memory().available - args.process_gb * 1e9)
     gpu = gpu_memory()
-    predicted = {run: predict_layers(cfg, args.batch, MOMENTS[run], host, gpu) for run in args.runs if run in MOMENTS}
+    cuda = torch.device("cuda")
+    predicted = {run: predict_layers(cfg, args.batch, MOMENTS[run], host, gpu, cuda) for run in args.runs
+                 if run in MOMENTS}
     for run, layers in predicted.items():
         print(f"predicted: {run} {layers} layers ({gpt_params(cfg, layers) / 1e9:.2f}B) on {host / 1e9:.0f} GB of host"
               f" and {gpu / 2**30:.0f} GiB of GPU", flush=True)
