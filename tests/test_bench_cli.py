@@ -211,6 +211,7 @@ def test_cpu_run_records_model_and_gpu_memory(tmp_path):
     assert run["pss_read_s"] > 0
     assert run["plan_host_gb"] == pytest.approx(run["memory"]["host_total"] / 1e9)
     assert run["tree_pss_within_plan_capacity"] is True
+    assert run["recomputed_blocks"] == 0  # a CPU holds any step: "auto" recomputes nothing
     assert run["forward_s"] > 0
     assert run["backward_s"] > 0
     assert run["step_s_median"] > 0

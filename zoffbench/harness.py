@@ -428,6 +428,7 @@ class StepMeasurement:
     inexact_because: str | None = None
     deepspeed_config: dict[str, Any] | None = None  # the dict DeepSpeed got, Lightning's additions included
     host_floor: dict[str, float] | None = None  # zoff: the host update's bandwidth against the machine's (`host_floor`)
+    recomputed_blocks: int | None = None  # zoff: the modules recomputing their activations at the end of fit
     gpu_expandable_segments: bool | None = None  # the CUDA allocator grew its segments in place (zoff asks it to)
     # of the measured steps, those whose gradient norm was clipped (zoff's telemetry; None without it or clipping):
     # a clipped step's host update waits for the norm, an unclipped one may have run during backward
@@ -435,7 +436,7 @@ class StepMeasurement:
     grad_norms: list[float] | None = None  # each step's (warm-up included), the trace a clipping study reads
 
     def fields(self) -> dict[str, Any]:
-        return _fields(self, optional=("inexact_because", "deepspeed_config", "host_floor"))
+        return _fields(self, optional=("inexact_because", "deepspeed_config", "host_floor", "recomputed_blocks"))
 
 
 

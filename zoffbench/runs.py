@@ -387,5 +387,15 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
         host_floor=host_floor(trainer.strategy, zoff, step_s),
         params=params, steps=timer.steps, forward=timer.forward, backward=timer.backward, zoff_options=zoff_options,
         memory=getattr(trainer.strategy, "memory_report", None), inexact_because=inexact_because(name, zoff_options),
-        deepspeed_config=deepspeed_config)
+        deepspeed_config=deepspeed_config, recomputed_blocks=recomputed_blocks(trainer.strategy, module))
     return run.entry(**measurement.fields())
+
+
+def recomputed_blocks(strategy: Any, module: Any) -> int | None:
+    """zoff's: the modules whose activations are recomputed at the end of fit (what "auto" chose, or the option)."""
+    from lightning_zoff import ZoffStrategy
+    from lightning_zoff._compat import recomputes_activations
+
+    if not isinstance(strategy, ZoffStrategy):
+        return None
+    return sum(recomputes_activations(m) for m in module.modules())
