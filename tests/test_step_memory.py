@@ -156,9 +156,9 @@ def with_accelerator(monkeypatch, capacity: int) -> None:
     monkeypatch.setattr(rank_memory, "measure_machine", measured)
 
 
-def step_bytes(module: nn.Module, recompute: bool) -> int:
+def step_bytes(module: LoggingModule, recompute: bool) -> int:
     batch = next(iter(token_loader(tiny.GLOBAL)))
-    probe = StepProbe(lambda: batch, lambda b: module.training_step(b, 0), contextlib.nullcontext)
+    probe = StepProbe(lambda: batch, lambda b: tiny.loss_of(module.model, *b), contextlib.nullcontext)
     if recompute:
         checkpoint_activations(module, {tiny.Block})
     return trace_step(module, probe, batch, CPU, torch.float32)
