@@ -61,7 +61,8 @@ class RankMemory:
         is allocated: the engine's plan, assuming the optimizer trains every parameter that requires a gradient, with
         shards of `param_dtype`, and on a GPU the step at `probe`'s batch, traced on fake tensors. "auto" switches on
         the recompute installed (switched off) on the `recomputable` blocks where the accelerator cannot hold every
-        unit's state beside the step, or the step fits only so."""
+        unit's state beside the step: on all of them where it cannot even so, else on the fewest first ones that let
+        it (`_fewer_blocks`)."""
         config, machine = self.config, self.machine
         assert machine is not None
         param_bytes = param_dtype.itemsize
