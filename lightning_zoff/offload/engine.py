@@ -54,20 +54,19 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from lightning_zoff.offload.accounting import Traffic
-from lightning_zoff.offload.decision import Decision, StepOutcome, decide
+from lightning_zoff.offload.decision import StepOutcome, decide
 from lightning_zoff.offload.fsdp_hooks import UnitHooks, order_after_copy
 from lightning_zoff.offload.landing import GradientLanding, LandingOptions
 from lightning_zoff.offload.layout import unit_layouts, unit_shape
-from lightning_zoff.offload.lending import LentUpdates
+from lightning_zoff.offload.lending import fit_lending, lent_units
 from lightning_zoff.offload.scheduler import HostScheduler, SparePool
-from lightning_zoff.offload.unit_state import ParamState, Phase, UnitState, build_unit_state, kernel_runs, param_states
+from lightning_zoff.offload.unit_state import ParamState, Phase, UnitState, build_unit_state, param_states
 from lightning_zoff.offload.update_split import UpdateSplit
 from lightning_zoff.offload.updates import UnitUpdates
 from lightning_zoff.optim.rules import UpdateRule, update_rule_for, warn_if_bf16_moments_cannot_decay
@@ -206,7 +205,7 @@ class OffloadEngine:
             self.scheduler.decided(as_speculated=as_speculated)
         landed = self.landing.landed_order
         order = landed[::-1] + [u for u in units if u not in landed]  # about the order the next forward needs them
-        lent = self._lent_units(order, decision, as_speculated)
+        lent = lent_units(self.updates.lent, self.split, self.updates.take_host_timing, order, decision, as_speculated)
         if not decision.skipped:  # counted here, so each step reports its own copies even when they end during the next
             host_units = [unit for unit in units if unit.placement is Placement.HOST and unit not in lent]
             self.traffic.add(h2d_bytes=sum(p.slot.local.nbytes for unit in host_units
@@ -226,43 +225,13 @@ class OffloadEngine:
                 self.updates.finalize(unit, decision, unit in lent)
         return outcome
 
-    def _lent_units(self, order: list[UnitState], decision: Decision, as_speculated: bool) -> dict[UnitState, int]:
-        """The host units whose update the accelerator runs this step (`update_split.py`), with the elements each
-        updates, in forward `order`: of those the decision updates, not those a kept speculation updated already."""
-        lent, split = self.updates.lent, self.split
-        if lent is None or split is None or decision.skipped:
-            return {}
-        split.observed(host=self.updates.take_host_timing(), lent=lent.take_seconds_per_element())
-        candidates = {unit: sum(run.numel for run in kernel_runs(unit.trained, decision.used[unit])) for unit in order
-                      if unit.placement is Placement.HOST and unit.window_grad is not None
-                      and unit.window_grad.element_size() <= lent.grad_itemsize
-                      and not (as_speculated and unit.speculation is not None)}
-        names = split.choose([(unit.layout.name, elements) for unit, elements in candidates.items()])
-        return {unit: elements for unit, elements in candidates.items() if unit.layout.name in names}
-
     def _fit_lending(self) -> None:
-        """Slots for the lent updates as the plan has them now (none where it lends nothing), and the split; at setup
-        and after a move (which waited for every update in flight)."""
-        plan = self.plan
-        piece = plan.lend_piece
-        if self.updates.lent is not None and self.updates.lent.piece == piece:
-            return
-        self.updates.lent = None
-        if piece and self.param_device.type == "cuda" and not all(
-                is_pinned(unit.master) for unit in self.units if unit.placement is Placement.HOST and unit.trained):
-            # the OS refused to pin (memlock; `host_empty` warned): pageable copies would stop the worker at each piece
-            self.mover.plan = replace(plan, options=replace(plan.options, update_share="none"))
-            piece = 0
-        if not piece:
-            self.split = None
-            return
-        options = plan.options
-        self.updates.lent = LentUpdates(self.rule, self.param_device, piece=piece, moments=options.moments,
-                                        moment_dtype=self.config.moment_dtype, grad_itemsize=options.lent_grad_bytes)
-        if self.split is None:  # the host reads and writes the state, reads the gradient, writes the 16-bit copy
-            state, grad = options.state_bytes(1), options.lent_grad_bytes
-            self.split = UpdateSplit(options.update_share, host_bytes=2 * state + grad + options.param_bytes,
-                                     up_bytes=options.lend_slot_bytes(1))
+        """Slots for the lent updates as the plan has them now, and the split (`lending.fit_lending`); at setup and
+        after a move (which waited for every update in flight)."""
+        pinned = all(is_pinned(unit.master) for unit in self.units if unit.placement is Placement.HOST and unit.trained)
+        self.mover.plan, self.updates.lent, self.split = fit_lending(
+            self.plan, self.updates.lent, self.split, rule=self.rule, device=self.param_device,
+            moment_dtype=self.config.moment_dtype, state_pinned=pinned)
 
     # -- the next forward: each unit waits for its own update -----------------------------------------------
 

@@ -21,15 +21,20 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from lightning_zoff.offload.fsdp_hooks import record_event
-from lightning_zoff.offload.unit_state import TrainedParam, UnitState, UpdateKey
+from lightning_zoff.offload.unit_state import TrainedParam, UnitState, UpdateKey, kernel_runs
+from lightning_zoff.offload.update_split import UpdateSplit
 from lightning_zoff.optim.host_math import update_as_host, workspace_bytes
 from lightning_zoff.optim.rules import GroupHyperparams, UpdateRule
-from lightning_zoff.placement.plan import LEND_SLOTS
+from lightning_zoff.placement.plan import LEND_SLOTS, MemoryPlan, Placement
+
+if TYPE_CHECKING:
+    from lightning_zoff.offload.decision import Decision
 
 
 @dataclass
@@ -161,3 +166,45 @@ def _write_params(unit: UnitState, params: list[TrainedParam], master: torch.Ten
         if lo < hi:
             local = param.slot.local.view(-1)
             local[lo - param.state_offset : hi - param.state_offset].copy_(master[lo - start : hi - start])
+
+
+def lent_units(lent: LentUpdates | None, split: UpdateSplit | None,
+               take_host_timing: Callable[[], tuple[float, int] | None], order: list[UnitState], decision: Decision,
+               as_speculated: bool) -> dict[UnitState, int]:
+    """The host units whose update the accelerator runs this step (`update_split.py` chooses, from the host's timing
+    and the lent updates' own, both taken here), with the elements each updates, in forward `order`: of those the
+    decision updates, not those a kept speculation updated already. None where nothing is lent or the step skips."""
+    if lent is None or split is None or decision.skipped:
+        return {}
+    split.observed(host=take_host_timing(), lent=lent.take_seconds_per_element())
+    candidates = {unit: sum(run.numel for run in kernel_runs(unit.trained, decision.used[unit])) for unit in order
+                  if unit.placement is Placement.HOST and unit.window_grad is not None
+                  and unit.window_grad.element_size() <= lent.grad_itemsize
+                  and not (as_speculated and unit.speculation is not None)}
+    names = split.choose([(unit.layout.name, elements) for unit, elements in candidates.items()])
+    return {unit: elements for unit, elements in candidates.items() if unit.layout.name in names}
+
+
+def fit_lending(plan: MemoryPlan, lent: LentUpdates | None, split: UpdateSplit | None, *, rule: UpdateRule,
+                device: torch.device, moment_dtype: torch.dtype, state_pinned: bool
+                ) -> tuple[MemoryPlan, LentUpdates | None, UpdateSplit | None]:
+    """The plan, the slots for the lent updates as it has them (none where it lends nothing) and the split, given the
+    current `lent` and `split` (kept where they still fit). A GPU's plan loses its share where the host's state is
+    not pinned (`state_pinned`: the OS refused; `host_empty` warned): pageable copies would stop the worker at each
+    piece."""
+    piece = plan.lend_piece
+    if lent is not None and lent.piece == piece:
+        return plan, lent, split
+    if piece and device.type == "cuda" and not state_pinned:
+        plan = replace(plan, options=replace(plan.options, update_share="none"))
+        piece = 0
+    if not piece:
+        return plan, None, None
+    options = plan.options
+    lent = LentUpdates(rule, device, piece=piece, moments=options.moments, moment_dtype=moment_dtype,
+                       grad_itemsize=options.lent_grad_bytes)
+    if split is None:  # the host reads and writes the state, reads the gradient, writes the 16-bit copy
+        state, grad = options.state_bytes(1), options.lent_grad_bytes
+        split = UpdateSplit(options.update_share, host_bytes=2 * state + grad + options.param_bytes,
+                            up_bytes=options.lend_slot_bytes(1))
+    return plan, lent, split
