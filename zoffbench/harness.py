@@ -152,7 +152,10 @@ class RssSampler:
 
 
 def kill_tree(pid: int) -> None:
-    """SIGKILL process `pid` and all its descendants, the descendants first."""
+    """SIGKILL process `pid` and all its descendants, the descendants first, and wait (a few seconds at most) until the
+    descendants are gone: a signal is delivered when its process next runs, so on busy cores a killed grandchild was
+    still "running" when the run's own wait returned (test_a_timeout_kills_the_whole_tree failed so once in CI). The
+    root is its parent's to wait for (`Popen.wait`): waiting here would reap it and lose its exit status."""
     try:
         root = psutil.Process(pid)
         members = [root, *root.children(recursive=True)]
@@ -161,6 +164,7 @@ def kill_tree(pid: int) -> None:
     for member in reversed(members):
         with contextlib.suppress(psutil.Error):
             member.kill()
+    psutil.wait_procs(members[1:], timeout=5)
 
 
 # -- how a run failed ----------------------------------------------------------------------------------------------
