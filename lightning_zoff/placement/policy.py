@@ -85,12 +85,12 @@ def options_that_fit(plan: MemoryPlan, accelerator_state: str | float, masters_b
             fits.append((f"accelerator_state={state!r}", placed))
             break
     step = plan.step
-    for samples in range(step.samples - 1 if step else 0, 0, -1):
-        assert step is not None
-        smaller = place(replace(plan, step=step.at_samples(samples)), accelerator_state)
-        if not smaller.problems(masters_bytes):
-            fits.append((f"a batch of {samples} (about {size(smaller.step_bytes)} for the step)", smaller))
-            break
+    if step is not None:
+        for samples in range(step.samples - 1, 0, -1):
+            smaller = place(replace(plan, step=step.at_samples(samples)), accelerator_state)
+            if not smaller.problems(masters_bytes):
+                fits.append((f"a batch of {samples} (about {size(smaller.step_bytes)} for the step)", smaller))
+                break
     return fits
 
 

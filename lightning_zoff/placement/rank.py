@@ -82,7 +82,8 @@ class RankMemory:
 
         step = self.step = measure_step(module, traced, self.group.device, param_dtype, gathered)
         if config.activation_checkpointing_policy != "auto" or not recomputable:
-            self._say_step(plan_with(step).step)
+            plan_with(step)  # refuses what does not fit
+            self._say_step(step)
             return
         try:
             plan = plan_with(step)
