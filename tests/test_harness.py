@@ -175,3 +175,11 @@ def test_the_step_recorder_records_every_batch(capsys):
     assert len(recorder.times) == 3
     assert all(t > 0 for t in recorder.times)
     assert capsys.readouterr().out.count("loss") == 3
+
+
+def test_retries_per_step_are_the_differences_of_the_running_count():
+    from zoffbench.recorders import retries_per_step
+
+    # setup retried 3 times; the steps then 2, 0 and 5 times: a hand count
+    assert retries_per_step([5, 5, 10], before_first=3) == [2, 0, 5]
+    assert retries_per_step([]) is None

@@ -14,7 +14,8 @@ import psutil
 
 from zoffbench.harness import StepMeasurement, clipped_fraction
 from zoffbench.host_floor import host_floor
-from zoffbench.recorders import expandable_segments_in_use, process_peaks, synchronized_now
+from zoffbench.recorders import (alloc_retries, expandable_segments_in_use, process_peaks, reserved_by_stream,
+                                 retries_per_step, synchronized_now)
 
 
 def run_fabric(run: Any, family: type, model_kwargs: dict[str, Any], adamw: dict[str, Any], options: dict[str, Any],
@@ -37,8 +38,8 @@ def run_fabric(run: Any, family: type, model_kwargs: dict[str, Any], adamw: dict
     model, optimizer = fabric.setup(module, module.configure_optimizers())
     data.setup("fit")
     batches = iter(fabric.setup_dataloaders(data.train_dataloader()))
-    step_s, telemetry, window_peak = [], [], []
-    first_step_at = time.time()
+    step_s, telemetry, window_peak, retries = [], [], [], []
+    first_step_at, retries_before_first = time.time(), alloc_retries()
     for _ in range(warmup + steps):
         start = synchronized_now()
         if torch.cuda.is_available():
@@ -56,6 +57,7 @@ def run_fabric(run: Any, family: type, model_kwargs: dict[str, Any], adamw: dict
         telemetry.append(dict(fabric.strategy.telemetry))
         if torch.cuda.is_available():
             window_peak.append(torch.cuda.max_memory_allocated() / 1e9)
+            retries.append(alloc_retries())
     measured = step_s[warmup:]
     # zoff's phase times arrive a step late on CUDA (StepTimer): a step may lack them
     keys = {key for t in telemetry[warmup:] for key in t}
@@ -80,5 +82,7 @@ def run_fabric(run: Any, family: type, model_kwargs: dict[str, Any], adamw: dict
         host_floor=host_floor(fabric.strategy, zoff, step), params=params, steps=step_s,
         forward=[t.get("zoff/forward_s", 0.0) for t in telemetry],
         backward=[t.get("zoff/backward_s", 0.0) for t in telemetry], zoff_options=zoff_options,
-        memory=fabric.strategy.memory_report, inexact_because=inexact_because)
+        memory=fabric.strategy.memory_report, inexact_because=inexact_because,
+        gpu_alloc_retries_per_step=retries_per_step(retries, retries_before_first),
+        gpu_reserved_by_stream=reserved_by_stream())
     return run.entry(**measurement.fields())

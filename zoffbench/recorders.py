@@ -60,6 +60,8 @@ class WindowTimer(pl.Callback):
         self.zoff: list[dict[str, float]] = []  # the strategy's telemetry at each window's end
         self.after_backward: list[float] = []
         self.window_peak: list[float] = []
+        self.alloc_retries: list[int] = []  # the allocator's count at each window's end (cumulative)
+        self.retries_before_first = 0
         self.last_in_window = False
         self.batch_mark: Mark = None
         self.loss_mark: Mark = None
@@ -85,6 +87,7 @@ class WindowTimer(pl.Callback):
         self.last_in_window = (batch_idx + 1) % self.accumulate == 0
         if self.first_step_at is None:
             self.first_step_at = time.time()
+            self.retries_before_first = alloc_retries()  # setup's own
         if self.step_start is None:
             self.step_start = synchronized_now()
             if torch.cuda.is_available():
@@ -123,6 +126,7 @@ class WindowTimer(pl.Callback):
         self.zoff.append(dict(getattr(trainer.strategy, "telemetry", {})))
         if torch.cuda.is_available():
             self.window_peak.append(torch.cuda.max_memory_allocated() / 1e9)
+            self.alloc_retries.append(alloc_retries())
         self.step_start, self.opt_start = None, None
 
 
@@ -133,14 +137,40 @@ def synchronized_now() -> float:
     return time.perf_counter()
 
 
+def alloc_retries() -> int:
+    """The CUDA allocator's retries so far: each a cudaMalloc that failed, the cache freed (a synchronisation)."""
+    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0)) if torch.cuda.is_available() else 0
+
+
+def retries_per_step(cumulative: list[int], before_first: int = 0) -> list[int] | None:
+    """Each window's retries from the allocator's running count at each window's end (None without CUDA)."""
+    if not cumulative:
+        return None
+    return [now - before for before, now in zip([before_first, *cumulative[:-1]], cumulative)]
+
+
 def process_peaks() -> dict[str, Any]:
     """This rank's peaks as `StepMeasurement` keeps them: torch's allocator on the GPU (zeros without CUDA) and the
     process's resident memory."""
     cuda = torch.cuda.is_available()
     return dict(peak_gpu_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0,
                 peak_gpu_reserved_gb=torch.cuda.max_memory_reserved() / 1e9 if cuda else 0.0,
-                gpu_alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0,
+                gpu_alloc_retries=alloc_retries(),
                 host_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6)
+
+
+def reserved_by_stream() -> dict[str, dict[str, float]] | None:
+    """The allocator's segments at this moment, summed per CUDA stream (handle 0 is the default stream): GB reserved
+    and GB in live blocks. A block freed on one stream is cached for that stream only, so the streams' cached
+    remainders add up; where their sum meets the GPU's size, allocations retry."""
+    if not torch.cuda.is_available():
+        return None
+    streams: dict[str, dict[str, float]] = {}
+    for segment in torch.cuda.memory_snapshot():
+        entry = streams.setdefault(str(segment.get("stream", "?")), {"reserved_gb": 0.0, "allocated_gb": 0.0})
+        entry["reserved_gb"] += segment["total_size"] / 1e9
+        entry["allocated_gb"] += segment["allocated_size"] / 1e9
+    return streams
 
 
 def expandable_segments_in_use() -> bool | None:

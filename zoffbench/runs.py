@@ -313,7 +313,8 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
 
     import lightning_zoff  # noqa: F401
     from zoffbench.data import RandomTokens, TextTokens
-    from zoffbench.recorders import WindowTimer, expandable_segments_in_use, process_peaks
+    from zoffbench.recorders import (WindowTimer, expandable_segments_in_use, process_peaks, reserved_by_stream,
+                                     retries_per_step)
 
     cap_gpu_memory(gpu_memory_gb)
     zoff_options = parse_options(zoff_option)
@@ -387,7 +388,9 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
         host_floor=host_floor(trainer.strategy, zoff, step_s),
         params=params, steps=timer.steps, forward=timer.forward, backward=timer.backward, zoff_options=zoff_options,
         memory=getattr(trainer.strategy, "memory_report", None), inexact_because=inexact_because(name, zoff_options),
-        deepspeed_config=deepspeed_config, recomputed_blocks=recomputed_blocks(trainer.strategy, module))
+        deepspeed_config=deepspeed_config, recomputed_blocks=recomputed_blocks(trainer.strategy, module),
+        gpu_alloc_retries_per_step=retries_per_step(timer.alloc_retries, timer.retries_before_first),
+        gpu_reserved_by_stream=reserved_by_stream())
     return run.entry(**measurement.fields())
 
 
