@@ -99,6 +99,14 @@ def fake_tensor_mode() -> Any:
     return FakeTensorMode()
 
 
+def flop_formulas() -> dict[Any, Callable[..., int]]:
+    """torch's FLOP formulas by op (what `torch.utils.flop_counter.FlopCounterMode` sums): each takes the op's
+    arguments and `out_val`, and reads only shapes."""
+    from torch.utils.flop_counter import flop_registry
+
+    return flop_registry
+
+
 def fused_adam_step(decoupled: bool) -> Callable[..., None]:
     """torch's fused multi-tensor Adam (`decoupled`: AdamW) kernel, the one `torch.optim.AdamW(fused=True)` runs."""
     return torch._fused_adamw_ if decoupled else torch._fused_adam_

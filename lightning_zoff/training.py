@@ -27,6 +27,7 @@ from lightning_zoff.host_watch import HostMemoryLow
 from lightning_zoff.launch.cpus import CpuLayout, rank_layout, torch_threads
 from lightning_zoff.launch.group import RankGroup
 from lightning_zoff.offload import OffloadEngine, StepOutcome
+from lightning_zoff.optim.update import host_update_seconds_per_element
 from lightning_zoff.placement import PlanDoesNotFit, RankMemory, StepProbe
 from lightning_zoff.precision_math import PrecisionMath
 from lightning_zoff.sharding import (
@@ -52,7 +53,9 @@ class ShardedTraining:
         self.config, self.group = config, group
         self.root_runs_forward = root_runs_forward  # the loop calls the model itself (Fabric), not training_step
         self.cpu_layout = cpu_layout or rank_layout(group.local_rank, group.ranks_on_node, config.cpu_threads)
-        self.memory = RankMemory(config, group)
+        threads = self.cpu_layout.kernel_threads  # the engine's: the host's update runs on them
+        self.memory = RankMemory(config, group,
+                                 host_rate=lambda dtype: host_update_seconds_per_element(dtype, threads=threads))
         self.checkpoints = Checkpoints(config, group)
         self.module: nn.Module | None = None
         self.engine: OffloadEngine | None = None

@@ -126,6 +126,11 @@ def host_bytes_per_element(options: StateOptions) -> int:
     return sum(unit_buffers(UnitShape("", 1, 1, True), options, Placement.HOST).values())
 
 
+def accelerator_bytes_per_element(options: StateOptions) -> int:
+    """Accelerator bytes of a unit whose every reduced element is trained, per element, where its state lives there."""
+    return sum(unit_buffers(UnitShape("", 1, 1, True), options, Placement.ACCELERATOR).values())
+
+
 @dataclass(frozen=True)
 class StepMemory:
     """A step's accelerator memory beside the model's shards and the optimizer state (`step_trace.py` measures it)."""
@@ -134,6 +139,7 @@ class StepMemory:
     gathered: int  # FSDP2's: two units' gathered parameters (one running, one prefetched) and one unsharded gradient
     batch: str  # what was traced, for the lines that report it: "a batch of 4 x 4096"
     samples: int = 1  # the batch's first dimension: activations scale with it
+    flops: int = 0  # traced: the forward's and backward's operations (a recomputed block's forward counts twice)
 
     @property
     def total(self) -> int:
@@ -142,7 +148,7 @@ class StepMemory:
     def at_samples(self, samples: int) -> StepMemory:
         """The step at a batch of `samples` instead, its activations scaled (an estimate: the trace saw one batch)."""
         return replace(self, activations=self.activations * samples // self.samples, samples=samples,
-                       batch=f"a batch of {samples} (scaled)")
+                       flops=self.flops * samples // self.samples, batch=f"a batch of {samples} (scaled)")
 
     def describe(self) -> str:
         return (f"the step at {self.batch} {size(self.total)} (activations {size(self.activations)}, FSDP2's gathered"

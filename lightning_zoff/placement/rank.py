@@ -21,10 +21,18 @@ from lightning_zoff.host_watch import HostMemoryLow, available_bytes, floor_byte
 from lightning_zoff.launch.group import RankGroup, group_is_up
 from lightning_zoff.launch.node_log import log_for_node
 from lightning_zoff.placement.machine import Machine, measure_machine, size
-from lightning_zoff.placement.plan import MemoryPlan, Placement, StateOptions, StepMemory, UnitShape
+from lightning_zoff.placement.plan import (
+    MemoryPlan,
+    Placement,
+    StateOptions,
+    StepMemory,
+    UnitShape,
+    accelerator_bytes_per_element,
+)
 from lightning_zoff.placement.policy import accelerator_holds_all, back_for_room, plan_memory
-from lightning_zoff.placement.recompute_choice import fewest_blocks, linear_guess
+from lightning_zoff.placement.recompute_choice import fewest_blocks, fewest_by_halves, linear_guess
 from lightning_zoff.placement.refusal import PlanDoesNotFit
+from lightning_zoff.placement.step_costs import HostRate, block_trade, measure_rates
 from lightning_zoff.placement.step_trace import StepProbe, measure_step
 from lightning_zoff.sharding import owned_params, padded_shard_numel, recompute_activations
 from lightning_zoff.units import Unit, forward_order
@@ -39,8 +47,9 @@ log = logging.getLogger("lightning_zoff")
 class RankMemory:
     """The memory of the rank `group` describes, under `config`."""
 
-    def __init__(self, config: ZoffConfig, group: RankGroup) -> None:
+    def __init__(self, config: ZoffConfig, group: RankGroup, host_rate: HostRate | None = None) -> None:
         self.config, self.group = config, group
+        self.host_rate = host_rate  # the host's optimizer update, timed: "auto" weighs recompute against it
         self.machine: Machine | None = None  # read at setup
         self.report: dict[str, float] = {}  # the engine's memory report, after setup and after each move
         self._placing_by_peak = False  # "auto" on a GPU: after the next step, by its measured peak
@@ -86,12 +95,11 @@ class RankMemory:
             self._say_step(step)
             return
         try:
-            plan = plan_with(step)
-            recompute = not accelerator_holds_all(plan)
+            kept_fits, recompute = True, not accelerator_holds_all(plan_with(step))
         except PlanDoesNotFit:
             if step is None:
                 raise  # the state alone does not fit: recompute would not change that
-            recompute = True
+            kept_fits, recompute = False, True
         if not recompute:
             self._say_step(step)
             return
@@ -102,9 +110,27 @@ class RankMemory:
             self._say(f"recomputing {names} activations ('auto'): state {self._all_state(plan) / 1e9:.1f} GB + model"
                       f" {plan.model_bytes / 1e9:.1f} GB > GPU {(machine.accelerator_capacity or 0) / 1e9:.1f} GB")
             return
-        fewer = self._fewer_blocks(recomputable, step, recomputed,
-                                   lambda: measure_step(module, traced, self.group.device, param_dtype, gathered),
-                                   plan_with)
+
+        def trace() -> StepMemory | None:
+            return measure_step(module, traced, self.group.device, param_dtype, gathered)
+
+        fewer = self._fewer_blocks(recomputable, step, recomputed, trace, plan_with)
+        most = len(recomputable) if fewer is None else fewer[0]
+        # where the state's place is "auto"'s to choose too
+        if config.offload and config.accelerator_state == "auto" and self.host_rate is not None:
+            moment_dtype = torch.bfloat16 if options.moment_bytes == 2 else torch.float32
+            trade = block_trade(step, recomputed, len(recomputable), accumulate_grad_batches,
+                                accelerator_bytes_per_element(options),
+                                measure_rates(self.group.device, moment_dtype, self.host_rate))
+            cheaper = self._fewest_that_fit(recomputable, most, step if kept_fits else None, trace, plan_with) \
+                if trade.keep_activations else None
+            if cheaper is not None:
+                count, self.step = cheaper
+                self._say(f"recomputing {f'the first {count} of' if count else 'none of the'} {len(recomputable)}"
+                          f" {names} blocks' activations ('auto', by cost: {trade.describe(accumulate_grad_batches)}):"
+                          f" the step at {step.batch} needs {size(self.step.total)}, the host holds the state the GPU"
+                          f" cannot beside it")
+                return
         if fewer is None:
             self._say(f"recomputing {names} activations ('auto'): the step at {step.batch} needs {size(step.total)}"
                       f" without it, {size(recomputed.total)} with it")
@@ -130,8 +156,7 @@ class RankMemory:
         traced: dict[int, StepMemory | None] = {len(blocks): recomputed}
 
         def fits(n: int) -> bool:
-            for i, block in enumerate(blocks):
-                set_recompute(block, i < n)
+            _switch_first(blocks, n)
             traced[n] = step = trace()
             try:
                 return step is not None and accelerator_holds_all(plan_with(step))
@@ -140,10 +165,33 @@ class RankMemory:
 
         guess = linear_guess(len(blocks), kept.activations, recomputed.activations, room - kept.gathered)
         count = fewest_blocks(len(blocks), fits, guess)
-        for i, block in enumerate(blocks):
-            set_recompute(block, i < count)
+        _switch_first(blocks, count)
         chosen = traced.get(count)
         return None if chosen is None or count == len(blocks) else (count, chosen)
+
+    @staticmethod
+    def _fewest_that_fit(blocks: Sequence[nn.Module], most: int, kept: StepMemory | None,
+                         trace: Callable[[], StepMemory | None], plan_with: Callable[[StepMemory], MemoryPlan]
+                         ) -> tuple[int, StepMemory] | None:
+        """The fewest first `blocks` recomputed with which the plan fits at all (none where `kept`, the step with none,
+        fits), switched on and the rest off, with their step; None where that is `most` (the first `most` stay on)."""
+        traced: dict[int, StepMemory | None] = {0: kept}
+
+        def fits(n: int) -> bool:
+            _switch_first(blocks, n)
+            traced[n] = step = trace()
+            try:
+                return step is not None and plan_with(step) is not None
+            except PlanDoesNotFit:
+                return False
+
+        count = 0 if kept is not None else fewest_by_halves(0, most, fits)
+        chosen = traced.get(count)
+        if chosen is None or count >= most:
+            _switch_first(blocks, most)
+            return None
+        _switch_first(blocks, count)
+        return count, chosen
 
     def _say_step(self, step: StepMemory | None) -> None:
         if step is not None:
@@ -264,6 +312,12 @@ class RankMemory:
                 f" accelerator (accelerator_state={config.accelerator_state!r}), chosen from the steps' peak memory;"
                 f" this step needed more. {advice}"
             ) from err
+
+
+def _switch_first(blocks: Sequence[nn.Module], count: int) -> None:
+    """Recompute the first `count` of `blocks`' activations, not the others'."""
+    for i, block in enumerate(blocks):
+        set_recompute(block, i < count)
 
 
 def unit_shapes_before_sharding(model: nn.Module, units: list[Unit], world_size: int,

@@ -6,6 +6,10 @@ a second forward of it, and the peak at the end of the forward holds every block
 
 The traced step's bytes fall about linearly with the blocks recomputed, so a guess from the two ends (none, all) is
 checked by tracing the step at it, and walked up or down a block at a time while the checks say so.
+
+Where a block's recompute costs a step more than the host's update of the optimizer state its activations displace
+(`step_costs.py`: many micro-batches a step), "auto" instead recomputes the fewest blocks with which the plan fits at
+all, the host holding the state the accelerator then cannot.
 """
 
 from __future__ import annotations
@@ -26,6 +30,18 @@ def fewest_blocks(count: int, fits: Callable[[int], bool], guess: int) -> int:
     while n < count and not fits(n):
         n += 1
     return n
+
+
+def fewest_by_halves(low: int, high: int, fits: Callable[[int], bool]) -> int:
+    """The fewest blocks in (`low`, `high`] for which `fits` holds, `fits` rising with the number, false at `low` and
+    true at `high`: by halving the interval (a few traces where a guess from the ends has no line to follow)."""
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle):
+            high = middle
+        else:
+            low = middle
+    return high
 
 
 def linear_guess(count: int, kept: int, all_recomputed: int, room: int) -> int:

@@ -33,6 +33,7 @@ from lightning_zoff._compat import (
     apply_to_tensors,
     direct_tensors,
     fake_tensor_mode,
+    flop_formulas,
     replace_direct_tensor,
 )
 from lightning_zoff.placement.plan import StepMemory
@@ -86,6 +87,25 @@ class LiveBytes(DispatchMode):  # type: ignore[no-untyped-call]
         return freed
 
 
+class OpFlops(DispatchMode):  # type: ignore[no-untyped-call]
+    """Sums the floating-point operations of the ops run while it is active, by torch's own formulas (matrix products,
+    convolutions, attention: nearly all of a transformer's work), from the shapes alone. torch's `FlopCounterMode`
+    is not used: its module tracking holds tensors that a recomputed block would have freed."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.flops = 0
+        self._formulas = flop_formulas()
+
+    @override
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        formula = self._formulas.get(func._overloadpacket)
+        if formula is not None:
+            self.flops += int(formula(*args, **(kwargs or {}), out_val=out))
+        return out
+
+
 def _tensors_in(value: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
 
@@ -101,12 +121,19 @@ def trace_step(module: nn.Module, probe: StepProbe, batch: Any, device: torch.de
                ) -> int:
     """The most bytes the forward and backward of `batch` hold at once on `device`, the module's parameters aside
     (floating ones in `param_dtype`, as its shards are); raises whatever the module's step raised on fake tensors."""
+    return trace_step_work(module, probe, batch, device, param_dtype)[0]
+
+
+def trace_step_work(module: nn.Module, probe: StepProbe, batch: Any, device: torch.device, param_dtype: torch.dtype
+                    ) -> tuple[int, int]:
+    """`trace_step`'s bytes, and the floating-point operations of the forward and backward (torch's FLOP counter:
+    matrix products and attention, which are nearly all of a transformer's)."""
     rng_devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=rng_devices), fake_tensor_mode(), fake_parameters(module, device, param_dtype):
         batch = apply_to_tensors(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device), batch)
-        with LiveBytes() as live:
+        with OpFlops() as work, LiveBytes() as live:
             _run(probe, batch)
-        return int(live.peak)
+        return int(live.peak), work.flops
 
 
 def _run(probe: StepProbe, batch: Any) -> None:
@@ -161,10 +188,10 @@ def measure_step(module: nn.Module, probe: StepProbe | None, device: torch.devic
     shape = tensors[0].shape
     what = f"a batch of {' x '.join(str(n) for n in shape)}"
     try:
-        activations = trace_step(module, probe, batch, device, param_dtype)
+        activations, flops = trace_step_work(module, probe, batch, device, param_dtype)
     except Exception as err:  # the user's step on fake tensors: anything it raises means "not traceable"
         first = (str(err).strip().splitlines() or [""])[0]
         log.warning("zoff: the step at %s could not be traced on fake tensors (%s: %s); the plan counts no"
                     " activations, and the first step's peak decides", what, type(err).__name__, first[:200])
         return None
-    return StepMemory(activations, gathered, what, samples=shape[0] if len(shape) else 1)
+    return StepMemory(activations, gathered, what, samples=shape[0] if len(shape) else 1, flops=flops)

@@ -66,6 +66,14 @@ for stage in "$@"; do
         (cd $side && PYTHONPATH=$DEPS$PWD timeout 280 python3 $bench --runs zoff zoff_host_only --accumulate 1 --steps 6 \
             --warmup 2 --out "$OUT/bench_gpt1b_$label.json" 2>&1 | grep -v "^INFO" | tail -5 | tee -a "$OUT/baseline_gpt1b.txt")
       done ;;
+    house_gpt1b)  # issue 45: gpt1b batch 8 in another tree (carried as _baseline) and in this one, one call: the
+      # refactor moved no time; GPU-only training in this tree beside them
+      [ -d _baseline/lightning_zoff ] || { echo "house_gpt1b: carry another source tree as _baseline"; exit 1; }
+      for side in _baseline .; do
+        label=$( [ $side = . ] && echo this || echo baseline ); runs=$( [ $side = . ] && echo "zoff gpu_only" || echo zoff )
+        (cd $side && PYTHONPATH=$DEPS$PWD timeout 250 python3 scripts/bench/bench.py --model gpt1b --batch 8 --runs $runs \
+            --accumulate 1 --steps 10 --warmup 3 --out "$OUT/house_gpt1b_b8_$label.json" 2>&1 | grep -v "^INFO" | tail -5 | tee -a "$OUT/house_gpt1b.txt")
+      done ;;
     placement) timeout 300 python3 scripts/checks/check_placement.py --steps 12 --out "$OUT/placement_check.json" 2>&1 | grep -v "^INFO\|Tip\|available:" | tail -30 | tee "$OUT/placement_check.txt" ;;
     gpt1b_vs_deepspeed)  # gpt1b batch 8 at accumulate 1 and 4 against DeepSpeed's stronger configurations
       timeout ${BENCH_TIMEOUT:-560} python3 scripts/bench/bench.py --model gpt1b --batch 8 --accumulate 1 4 --steps 6 --warmup 2 --runs gpu_only zoff deepspeed_zero2_offload deepspeed_zero3_offload_ratio --out "$OUT/gpt1b_vs_deepspeed.json" 2>&1 | grep -v "^INFO" | tail -16 | tee "$OUT/gpt1b_vs_deepspeed.txt" ;;
