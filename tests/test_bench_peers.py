@@ -17,7 +17,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from zoffbench import bench, configs, model_shapes, runs, torchao_run
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-MEGATRAIN = dict(model="qwen25_7b", batch=8, accumulate=[18], seq=1024, num_workers=4, activation_checkpointing=True)
+MEGATRAIN = dict(model="qwen25_7b", batch=8, accumulate=[18], seq=1024, num_workers=4, activation_checkpointing=True,
+                 zoff_option=["activation_checkpointing_policy='auto'"])
 
 
 def test_the_megatrain_preset_sets_its_arguments_and_the_command_line_wins():
@@ -32,6 +33,12 @@ def test_the_megatrain_preset_sets_its_arguments_and_the_command_line_wins():
     assert configs.record(None) is None
     assert configs.record("megatrain_qwen25_7b")["arguments"] == MEGATRAIN
     assert "examples/sft/configs/qwen_7b.yaml" in configs.record("megatrain_qwen25_7b")["source"]
+    # the peers recompute every block; zoff's policy is its own default, "auto", which --zoff-option names
+    options = runs.parse_options(args.zoff_option)
+    assert runs.zoff_run_options("zoff", options, "tiny", None, args.activation_checkpointing)[
+        "activation_checkpointing_policy"] == "auto"
+    assert runs.zoff_run_options("zoff", {}, "tiny", None, True)["activation_checkpointing_policy"] == {
+        runs.model_block("tiny")}
 
 
 def test_qwen25_7b_has_the_published_shape_and_size():

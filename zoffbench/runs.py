@@ -133,9 +133,10 @@ def model_block(model_name: str, layers: int | None = None, seq: int | None = No
 
 def zoff_run_options(name: str, zoff_options: dict, model_name: str, layers: int | None,
                      checkpointing: bool) -> dict[str, Any]:
-    """The zoff options of run `name`: its variant's, then --zoff-option's, and with `checkpointing` the blocks'."""
+    """The zoff options of run `name`: its variant's, then --zoff-option's, and with `checkpointing` the blocks' (unless
+    --zoff-option names the policy itself: a preset may recompute every peer's blocks and leave zoff's to "auto")."""
     options = {**ZOFF_VARIANTS.get(name, {}), **zoff_options, "offload": name != "zoff_no_offload"}
-    if checkpointing:
+    if checkpointing and "activation_checkpointing_policy" not in zoff_options:
         options["activation_checkpointing_policy"] = {model_block(model_name, layers)}
     return options
 
