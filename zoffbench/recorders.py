@@ -48,8 +48,10 @@ class WindowTimer(pl.Callback):
     micro-batch. Forward and backward are timed by CUDA events on the current stream, read once the window's end has
     synchronized: a synchronize inside the window would stall the overlap zoff runs there."""
 
-    def __init__(self, accumulate: int) -> None:
+    def __init__(self, accumulate: int, windows: int | None = None) -> None:
         self.accumulate = accumulate
+        self.windows = windows  # the run's optimizer steps: at the last one's end, the allocator's pools are read
+        self.reserved_by_stream: dict[str, dict[str, float]] | None = None
         self.first_step_at: float | None = None  # the epoch time the first step started (setup ends there)
         self.step_start: float | None = None
         self.opt_start: float | None = None
@@ -127,6 +129,8 @@ class WindowTimer(pl.Callback):
         if torch.cuda.is_available():
             self.window_peak.append(torch.cuda.max_memory_allocated() / 1e9)
             self.alloc_retries.append(alloc_retries())
+            if len(self.steps) == self.windows:  # in training, before the strategy's teardown empties the cache
+                self.reserved_by_stream = reserved_by_stream()
         self.step_start, self.opt_start = None, None
 
 

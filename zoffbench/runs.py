@@ -314,8 +314,7 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
 
     import lightning_zoff  # noqa: F401
     from zoffbench.data import RandomTokens, TextTokens
-    from zoffbench.recorders import (WindowTimer, expandable_segments_in_use, process_peaks, reserved_by_stream,
-                                     retries_per_step)
+    from zoffbench.recorders import WindowTimer, expandable_segments_in_use, process_peaks, retries_per_step
 
     cap_gpu_memory(gpu_memory_gb)
     zoff_options = parse_options(zoff_option)
@@ -346,7 +345,7 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
                                                   checkpointing, seq)
     # DeepSpeed counts every micro-batch as an optimizer step (Lightning calls its step after each)
     steps_per_window = accumulate if getattr(strategy, "handles_gradient_accumulation", False) else 1
-    timer = WindowTimer(accumulate)
+    timer = WindowTimer(accumulate, windows=steps + warmup)
     trainer = pl.Trainer(accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=devices, strategy=strategy,
                          precision=precision,
                          max_steps=(steps + warmup) * steps_per_window, accumulate_grad_batches=accumulate,
@@ -391,7 +390,7 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
         memory=getattr(trainer.strategy, "memory_report", None), inexact_because=inexact_because(name, zoff_options),
         deepspeed_config=deepspeed_config, recomputed_blocks=recomputed_blocks(trainer.strategy, module),
         gpu_alloc_retries_per_step=retries_per_step(timer.alloc_retries, timer.retries_before_first),
-        gpu_reserved_by_stream=reserved_by_stream())
+        gpu_reserved_by_stream=timer.reserved_by_stream)
     return run.entry(**measurement.fields())
 
 
