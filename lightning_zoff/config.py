@@ -52,9 +52,11 @@ class ZoffConfig:
               " unit)")
     activation_checkpointing_policy: ModuleClasses | Literal["auto"] | int = option(
         "auto", "module classes recomputed in backward instead of keeping their activations; `\"auto\"`: all blocks"
-                " when the GPU cannot hold all the optimizer state beside the model and the traced step (its room is"
-                " worth more as state then), else the fewest first blocks that let it (none where the step fits as it"
-                " is); a number N: the first N blocks in forward order, the others keep theirs; none: `None`")
+                " when the GPU cannot hold all the optimizer state beside the model and the traced step, else the"
+                " fewest first blocks that let it (none where the step fits as it is); but where a block's recompute"
+                " costs more than the host's update of the state its activations displace (measured at setup: many"
+                " micro-batches a step), the fewest with which the model fits at all; a number N: the first N blocks"
+                " in forward order, the others keep theirs; none: `None`")
     start_method: StartMethod = option(
         "subprocess", "how ranks start: Lightning's script re-run, or `\"fork\"`/`\"spawn\"`/`\"forkserver\"`"
                       " multiprocessing (fork is the fast choice on CPU)")
