@@ -183,3 +183,23 @@ def test_retries_per_step_are_the_differences_of_the_running_count():
     # setup retried 3 times; the steps then 2, 0 and 5 times: a hand count
     assert retries_per_step([5, 5, 10], before_first=3) == [2, 0, 5]
     assert retries_per_step([]) is None
+
+
+def test_a_retry_is_the_allocation_after_a_burst_of_released_segments():
+    from zoffbench.alloc_history import retry_causes
+
+    frames = [{"filename": "fsdp.py", "line": 7, "name": "all_gather"}]
+    events = [
+        {"action": "alloc", "size": 10, "stream": 0},
+        {"action": "free_completed", "size": 10, "stream": 0},
+        {"action": "segment_unmap", "size": 2 * 10**9, "stream": 5},
+        {"action": "segment_unmap", "size": 10**9, "stream": 5},
+        {"action": "segment_free", "size": 5 * 10**8, "stream": 0},
+        {"action": "segment_map", "size": 4 * 10**9, "stream": 0},
+        {"action": "alloc", "size": 4 * 10**9, "stream": 0, "frames": frames},
+        {"action": "alloc", "size": 1, "stream": 0},
+    ]
+    (cause,) = retry_causes(events)
+    assert cause == {"freed_gb_by_stream": {"5": 3.0, "0": 0.5}, "alloc_gb": 4.0, "alloc_stream": "0",
+                     "alloc_frames": ["fsdp.py:7 all_gather"]}
+    assert retry_causes(events[:2]) == []

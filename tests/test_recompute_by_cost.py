@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from helpers import tiny
+from helpers.simulated_accelerator import LoggingModule, step_bytes, with_accelerator
 from helpers.tiny import TinyLM, token_loader
 from helpers.trainer import fit
 from lightning_zoff import ZoffStrategy
@@ -27,7 +28,6 @@ from lightning_zoff.placement.recompute_choice import fewest_by_halves
 from lightning_zoff.placement.step_costs import BlockTrade, Rates, block_trade
 from lightning_zoff.placement.step_trace import StepProbe, trace_step_work
 from lightning_zoff.sharding import checkpoint_activations
-from test_step_memory import LoggingModule, said, step_bytes, with_accelerator  # noqa: F401 (said: a fixture)
 
 CPU = torch.device("cpu")
 

@@ -8,21 +8,20 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import logging
 import re
 
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from helpers import tiny
+from helpers.simulated_accelerator import LoggingModule, step_bytes, with_accelerator
 from helpers.tiny import TinyLM, token_loader
 from helpers.trainer import fit
 from lightning_zoff import ZoffStrategy
 from lightning_zoff._compat import fake_tensor_mode, recomputes_activations, set_recompute
-from lightning_zoff.placement import Machine, PlanDoesNotFit, StateOptions, UnitShape, plan_memory, rank as rank_memory
+from lightning_zoff.placement import Machine, PlanDoesNotFit, StateOptions, UnitShape, plan_memory
 from lightning_zoff.placement.machine import GiB
 from lightning_zoff.placement.plan import StepMemory
 from lightning_zoff.placement.rank import RankMemory, gathered_bytes
@@ -106,62 +105,6 @@ def test_the_plan_counts_the_step_and_names_the_batch_that_fits():
 
 
 # -- the Trainer's setup ----------------------------------------------------------------------------------------
-
-
-class LoggingModule(pl.LightningModule):
-    """The tiny transformer trained as users write it: the loss logged, no value read on the host."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.model = TinyLM()
-
-    def training_step(self, batch, batch_idx):
-        loss = F.cross_entropy(self.model(batch[0]).float().flatten(0, 1), batch[1].flatten())
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self):
-        return tiny.adamw(self)
-
-
-class Said:
-    """zoff's lines, as the rank logged them: the rank is a forked process, so they go through a file."""
-
-    def __init__(self, path) -> None:
-        self.path = path
-
-    @property
-    def lines(self) -> list[str]:
-        text = self.path.read_text() if self.path.exists() else ""
-        return [re.sub(r"^zoff rank \d+: ", "", line) for line in text.splitlines()]
-
-
-@pytest.fixture
-def said(tmp_path):
-    handler = logging.FileHandler(tmp_path / "said.log")
-    logger = logging.getLogger("lightning_zoff")
-    logger.addHandler(handler)
-    yield Said(tmp_path / "said.log")
-    logger.removeHandler(handler)
-    handler.close()
-
-
-def with_accelerator(monkeypatch, capacity: int) -> None:
-    """The rank plans for an accelerator of `capacity` bytes (the CPU stands in for it)."""
-    real = rank_memory.measure_machine
-
-    def measured(group, loader_workers=0):
-        return Machine(real(group, loader_workers).host_available, capacity, loader_workers)
-
-    monkeypatch.setattr(rank_memory, "measure_machine", measured)
-
-
-def step_bytes(module: LoggingModule, recompute: bool) -> int:
-    batch = next(iter(token_loader(tiny.GLOBAL)))
-    probe = StepProbe(lambda: batch, lambda b: tiny.loss_of(module.model, *b), contextlib.nullcontext)
-    if recompute:
-        checkpoint_activations(module, {tiny.Block})
-    return trace_step(module, probe, batch, CPU, torch.float32)
 
 
 def run(tmp_path, monkeypatch, capacity: int, module: pl.LightningModule | None = None) -> pl.Trainer:

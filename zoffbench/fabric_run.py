@@ -14,8 +14,14 @@ import psutil
 
 from zoffbench.harness import StepMeasurement, clipped_fraction
 from zoffbench.host_floor import host_floor
-from zoffbench.recorders import (alloc_retries, expandable_segments_in_use, process_peaks, reserved_by_stream,
-                                 retries_per_step, synchronized_now)
+from zoffbench.recorders import (
+    alloc_retries,
+    expandable_segments_in_use,
+    process_peaks,
+    reserved_by_stream,
+    retries_per_step,
+    synchronized_now,
+)
 
 
 def run_fabric(run: Any, family: type, model_kwargs: dict[str, Any], adamw: dict[str, Any], options: dict[str, Any],

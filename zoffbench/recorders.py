@@ -13,6 +13,8 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
+from zoffbench import alloc_history
+
 
 class StepRecorder(pl.Callback):
     """Each training batch's loss and wall time, from the batch's start to its loss's value (`.item()` waits for the
@@ -52,6 +54,7 @@ class WindowTimer(pl.Callback):
         self.accumulate = accumulate
         self.windows = windows  # the run's optimizer steps: at the last one's end, the allocator's pools are read
         self.reserved_by_stream: dict[str, dict[str, float]] | None = None
+        self.retry_causes: list[dict[str, Any]] | None = None  # ZOFF_BENCH_ALLOC_HISTORY=1 (`alloc_history.py`)
         self.first_step_at: float | None = None  # the epoch time the first step started (setup ends there)
         self.step_start: float | None = None
         self.opt_start: float | None = None
@@ -91,6 +94,9 @@ class WindowTimer(pl.Callback):
             self.first_step_at = time.time()
             self.retries_before_first = alloc_retries()  # setup's own
         if self.step_start is None:
+            if self.windows is not None and len(self.steps) == self.windows - alloc_history.LAST_STEPS \
+                    and alloc_history.wanted():
+                alloc_history.start()
             self.step_start = synchronized_now()
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
@@ -131,6 +137,8 @@ class WindowTimer(pl.Callback):
             self.alloc_retries.append(alloc_retries())
             if len(self.steps) == self.windows:  # in training, before the strategy's teardown empties the cache
                 self.reserved_by_stream = reserved_by_stream()
+                if alloc_history.wanted():
+                    self.retry_causes = alloc_history.retry_causes(alloc_history.stop_and_read())
         self.step_start, self.opt_start = None, None
 
 
@@ -150,7 +158,7 @@ def retries_per_step(cumulative: list[int], before_first: int = 0) -> list[int] 
     """Each window's retries from the allocator's running count at each window's end (None without CUDA)."""
     if not cumulative:
         return None
-    return [now - before for before, now in zip([before_first, *cumulative[:-1]], cumulative)]
+    return [now - before for before, now in zip([before_first, *cumulative[:-1]], cumulative, strict=True)]
 
 
 def process_peaks() -> dict[str, Any]:

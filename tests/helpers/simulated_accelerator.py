@@ -1,0 +1,65 @@
+"""The setup of a rank that plans for an accelerator of a given size, a CPU standing in for it (forked ranks inherit
+the patches), and the lines zoff logged there: what the tests of the traced step and of "auto"'s recompute share."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+
+from helpers import tiny
+from helpers.tiny import TinyLM, token_loader
+from lightning_zoff.placement import Machine, rank as rank_memory
+from lightning_zoff.placement.step_trace import StepProbe, trace_step
+from lightning_zoff.sharding import checkpoint_activations
+
+CPU = torch.device("cpu")
+
+
+class LoggingModule(pl.LightningModule):
+    """The tiny transformer trained as users write it: the loss logged, no value read on the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = TinyLM()
+
+    def training_step(self, batch, batch_idx):
+        loss = F.cross_entropy(self.model(batch[0]).float().flatten(0, 1), batch[1].flatten())
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return tiny.adamw(self)
+
+
+class Said:
+    """zoff's lines, as the rank logged them: the rank is a forked process, so they go through a file."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    @property
+    def lines(self) -> list[str]:
+        text = self.path.read_text() if self.path.exists() else ""
+        return [re.sub(r"^zoff rank \d+: ", "", line) for line in text.splitlines()]
+
+
+def with_accelerator(monkeypatch, capacity: int) -> None:
+    """The rank plans for an accelerator of `capacity` bytes (the CPU stands in for it)."""
+    real = rank_memory.measure_machine
+
+    def measured(group, loader_workers=0):
+        return Machine(real(group, loader_workers).host_available, capacity, loader_workers)
+
+    monkeypatch.setattr(rank_memory, "measure_machine", measured)
+
+
+def step_bytes(module: LoggingModule, recompute: bool) -> int:
+    batch = next(iter(token_loader(tiny.GLOBAL)))
+    probe = StepProbe(lambda: batch, lambda b: tiny.loss_of(module.model, *b), contextlib.nullcontext)
+    if recompute:
+        checkpoint_activations(module, {tiny.Block})
+    return trace_step(module, probe, batch, CPU, torch.float32)
