@@ -7,7 +7,6 @@ be traced falling back to the first step's peak."""
 from __future__ import annotations
 
 import contextlib
-import itertools
 import re
 
 import lightning.pytorch as pl
@@ -16,7 +15,7 @@ import torch
 from torch import nn
 
 from helpers import tiny
-from helpers.simulated_accelerator import LoggingModule, step_bytes, with_accelerator
+from helpers.simulated_accelerator import LoggingModule, four_blocks, step_bytes, with_accelerator
 from helpers.tiny import TinyLM, token_loader
 from helpers.trainer import fit
 from lightning_zoff import ZoffStrategy
@@ -200,20 +199,7 @@ def test_the_linear_guess():
 
 
 def test_auto_recomputes_the_fewest_first_blocks_that_let_all_the_state_fit():
-    model = TinyLM(n_blocks=4)
-    blocks = checkpoint_activations(model, {tiny.Block}, recompute=False)
-    batch = (torch.zeros(4, tiny.SEQ, dtype=torch.long), torch.zeros(4, tiny.SEQ, dtype=torch.long))
-    probe = StepProbe(lambda: batch, lambda b: tiny.loss_of(model, *b), contextlib.nullcontext)
-
-    def trace() -> StepMemory:
-        return StepMemory(trace_step(model, probe, batch, CPU, torch.float32), 0, "a batch", samples=4)
-
-    steps = []
-    for n in range(5):
-        for i, block in enumerate(blocks):
-            set_recompute(block, i < n)
-        steps.append(trace())
-    assert all(a.total > b.total for a, b in itertools.pairwise(steps))  # each block recomputed saves
+    blocks, trace, steps = four_blocks()
     no_state = [UnitShape("model", 0, 0, True)]
 
     def plan_with(capacity):

@@ -1,19 +1,25 @@
 """The setup of a rank that plans for an accelerator of a given size, a CPU standing in for it (forked ranks inherit
-the patches), and the lines zoff logged there: what the tests of the traced step and of "auto"'s recompute share."""
+the patches), the lines zoff logged there, and a 4-block model traced at every count of recomputed blocks: what the
+tests of the traced step and of "auto"'s recompute share."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
+from collections.abc import Callable
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from helpers import tiny
 from helpers.tiny import TinyLM, token_loader
+from lightning_zoff._compat import set_recompute
 from lightning_zoff.placement import Machine, rank as rank_memory
-from lightning_zoff.placement.step_trace import StepProbe, trace_step
+from lightning_zoff.placement.plan import StepMemory
+from lightning_zoff.placement.step_trace import StepProbe, trace_step, trace_step_work
 from lightning_zoff.sharding import checkpoint_activations
 
 CPU = torch.device("cpu")
@@ -63,3 +69,24 @@ def step_bytes(module: LoggingModule, recompute: bool) -> int:
     if recompute:
         checkpoint_activations(module, {tiny.Block})
     return trace_step(module, probe, batch, CPU, torch.float32)
+
+
+def four_blocks() -> tuple[list[nn.Module], Callable[[], StepMemory], list[StepMemory]]:
+    """A 4-block tiny LM with recompute installed switched off: its blocks, a trace of its step as the switches
+    stand, and the steps traced with the first 0 to 4 blocks recomputed (each smaller than the one before)."""
+    model = TinyLM(n_blocks=4)
+    blocks = checkpoint_activations(model, {tiny.Block}, recompute=False)
+    batch = (torch.zeros(4, tiny.SEQ, dtype=torch.long), torch.zeros(4, tiny.SEQ, dtype=torch.long))
+    probe = StepProbe(lambda: batch, lambda b: tiny.loss_of(model, *b), contextlib.nullcontext)
+
+    def trace() -> StepMemory:
+        activations, flops = trace_step_work(model, probe, batch, CPU, torch.float32)
+        return StepMemory(activations, 0, "a batch", samples=4, flops=flops)
+
+    steps = []
+    for n in range(5):
+        for i, block in enumerate(blocks):
+            set_recompute(block, i < n)
+        steps.append(trace())
+    assert all(a.total > b.total for a, b in itertools.pairwise(steps))  # each block recomputed saves
+    return blocks, trace, steps
