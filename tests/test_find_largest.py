@@ -15,12 +15,14 @@ from lightning_zoff import ZoffStrategy
 from lightning_zoff.examples.gpt import GPTModule
 from lightning_zoff.placement import Machine, PlanDoesNotFit, rank as rank_memory
 from lightning_zoff.placement.machine import GiB
+from lightning_zoff.placement.step_costs import Rates
 from zoffbench.data import RandomTokens
 from zoffbench.model_shapes import model_shape
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = 10**11  # what both plans read of the host: plenty
 BATCH = 2
+GPU_RATES = Rates(accelerator_flops_per_s=7e14, host_s_per_element=3e-10)
 
 
 def find_largest():
@@ -34,6 +36,9 @@ def setup_of(tmp_path, monkeypatch, cfg: dict, layers: int, capacity: int) -> No
     """The Trainer's setup and one step of the GPT at `layers`, on a machine of `capacity` bytes of GPU."""
     monkeypatch.setattr(rank_memory, "measure_machine",
                         lambda group, loader_workers=0: Machine(HOST, capacity, loader_workers))
+    # a GPU's rates (an H100's bf16 product, 16 cores' update), not this CPU's: recompute is the cheaper there at one
+    # micro-batch a step, as find_largest assumes ("auto" recomputes all the blocks at the sizes it searches)
+    monkeypatch.setattr(rank_memory, "measure_rates", lambda device, moment_dtype, host_rate: GPU_RATES)
     tmp_path.mkdir()
     monkeypatch.chdir(tmp_path)
     data = RandomTokens(vocab_size=cfg["vocab_size"], seq=cfg["block_size"], batch=BATCH, length=4)
