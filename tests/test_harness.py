@@ -203,3 +203,25 @@ def test_a_retry_is_the_allocation_after_a_burst_of_released_segments():
     assert cause == {"freed_gb_by_stream": {"5": 3.0, "0": 0.5}, "alloc_gb": 4.0, "alloc_stream": "0",
                      "alloc_frames": ["fsdp.py:7 all_gather"]}
     assert retry_causes(events[:2]) == []
+
+
+def test_the_steps_peak_is_the_most_their_blocks_held_at_once():
+    from zoffbench.alloc_history import peak_live
+
+    def frames(name):
+        return [{"filename": "/x/torch/_tensor.py", "line": 1, "name": "inner"},
+                {"filename": "/env/site-packages/transformers/llama.py", "line": 9, "name": name}]
+
+    events = [
+        {"action": "free_completed", "addr": 7, "size": 100, "stream": 0},  # made before recording: not counted
+        {"action": "alloc", "addr": 1, "size": 3 * 10**9, "stream": 0, "frames": frames("mlp")},
+        {"action": "alloc", "addr": 2, "size": 10**9, "stream": 9, "frames": frames("gather")},
+        {"action": "free_requested", "addr": 2, "size": 10**9, "stream": 9},  # still held until completed
+        {"action": "alloc", "addr": 3, "size": 2 * 10**9, "stream": 0, "frames": frames("mlp")},
+        {"action": "free_completed", "addr": 2, "size": 10**9, "stream": 9},
+        {"action": "free_completed", "addr": 1, "size": 3 * 10**9, "stream": 0},
+        {"action": "alloc", "addr": 4, "size": 10**9, "stream": 0, "frames": []},
+    ]
+    peak = peak_live(events)
+    assert peak == {"live_gb": 6.0, "by_stream_gb": {"0": 5.0, "9": 1.0},
+                    "top_sites_gb": {"transformers/llama.py:9 mlp": 5.0, "transformers/llama.py:9 gather": 1.0}}

@@ -4,7 +4,8 @@ gets `gpu_alloc_retry_causes`: for each retry, the allocation that asked (its by
 retry freed, per stream. A retry is a cudaMalloc that failed: the allocator then frees every cached block it can
 (its events `segment_free` / `segment_unmap`, in a burst) and tries again. A block freed on one stream is cached for
 that stream alone, so the streams' cached remainders add up: the freed bytes per stream say whose cache stood in the
-way.
+way. Beside them, `gpu_step_peak` (`peak_live`): the most bytes the recorded steps' own blocks held at once, per
+stream and by the frame that made them, to set against the plan's traced step.
 """
 
 from __future__ import annotations
@@ -59,3 +60,50 @@ def retry_causes(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 for frame in asking.get("frames", [])[:FRAMES]],
         })
     return causes
+
+
+# the frames that say who made a block: the first of these, innermost first, names its site
+SITE_MARKERS = ("transformers/", "lightning_zoff/", "torch/distributed/", "torch/utils/checkpoint", "zoffbench/",
+                "torch/nn/")
+SITES = 20
+
+
+def peak_live(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The most bytes that blocks allocated while recording held at once (what the steps themselves allocate: the
+    model and the state were allocated before), per stream, and the largest sites then, by the frame that made them:
+    the step's peak as the GPU held it, to set against the plan's traced step."""
+    live: dict[int, dict[str, Any]] = {}
+    total = peak = peak_at = 0
+    for index, event in enumerate(events):
+        action, addr = event.get("action"), int(event.get("addr", 0))
+        if action == "alloc":
+            live[addr] = event
+            total += int(event.get("size", 0))
+            if total > peak:
+                peak, peak_at = total, index
+        elif action == "free_completed" and addr in live:
+            total -= int(live.pop(addr).get("size", 0))
+    live = {}
+    for event in events[: peak_at + 1]:  # the blocks alive at the peak, replayed
+        addr = int(event.get("addr", 0))
+        if event.get("action") == "alloc":
+            live[addr] = event
+        elif event.get("action") == "free_completed":
+            live.pop(addr, None)
+    by_stream: dict[str, int] = defaultdict(int)
+    by_site: dict[str, int] = defaultdict(int)
+    for event in live.values():
+        size = int(event.get("size", 0))
+        by_stream[str(event.get("stream", "?"))] += size
+        by_site[_site(event.get("frames", []))] += size
+    top = sorted(by_site.items(), key=lambda item: -item[1])[:SITES]
+    return {"live_gb": peak / 1e9, "by_stream_gb": {s: n / 1e9 for s, n in by_stream.items()},
+            "top_sites_gb": {site: n / 1e9 for site, n in top}}
+
+
+def _site(frames: list[dict[str, Any]]) -> str:
+    for frame in frames:
+        filename = str(frame.get("filename", ""))
+        if any(marker in filename for marker in SITE_MARKERS):
+            return f"{filename.split('site-packages/')[-1]}:{frame.get('line', '?')} {frame.get('name', '?')}"
+    return "?"

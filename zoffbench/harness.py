@@ -441,6 +441,7 @@ class StepMeasurement:
     gpu_alloc_retries_per_step: list[int] | None = None  # each step's (warm-up included; setup's not counted)
     gpu_reserved_by_stream: dict[str, dict[str, float]] | None = None  # at the last step's end: where the cache sits
     gpu_alloc_retry_causes: list[dict[str, Any]] | None = None  # ZOFF_BENCH_ALLOC_HISTORY=1: `alloc_history.py`
+    gpu_step_peak: dict[str, Any] | None = None  # ... the most the last steps' own blocks held, by stream and site
 
     def fields(self) -> dict[str, Any]:
         return _fields(self, optional=("inexact_because", "deepspeed_config", "host_floor", "recomputed_blocks"))

@@ -55,6 +55,7 @@ class WindowTimer(pl.Callback):
         self.windows = windows  # the run's optimizer steps: at the last one's end, the allocator's pools are read
         self.reserved_by_stream: dict[str, dict[str, float]] | None = None
         self.retry_causes: list[dict[str, Any]] | None = None  # ZOFF_BENCH_ALLOC_HISTORY=1 (`alloc_history.py`)
+        self.step_peak: dict[str, Any] | None = None  # ... and the blocks the steps held at their peak
         self.first_step_at: float | None = None  # the epoch time the first step started (setup ends there)
         self.step_start: float | None = None
         self.opt_start: float | None = None
@@ -138,7 +139,9 @@ class WindowTimer(pl.Callback):
             if len(self.steps) == self.windows:  # in training, before the strategy's teardown empties the cache
                 self.reserved_by_stream = reserved_by_stream()
                 if alloc_history.wanted():
-                    self.retry_causes = alloc_history.retry_causes(alloc_history.stop_and_read())
+                    events = alloc_history.stop_and_read()
+                    self.retry_causes = alloc_history.retry_causes(events)
+                    self.step_peak = alloc_history.peak_live(events)
         self.step_start, self.opt_start = None, None
 
 

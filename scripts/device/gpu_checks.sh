@@ -66,13 +66,15 @@ for stage in "$@"; do
         (cd $side && PYTHONPATH=$DEPS$PWD timeout 280 python3 $bench --runs zoff zoff_host_only --accumulate 1 --steps 6 \
             --warmup 2 --out "$OUT/bench_gpt1b_$label.json" 2>&1 | grep -v "^INFO" | tail -5 | tee -a "$OUT/baseline_gpt1b.txt")
       done ;;
-    alloc_retries)  # issue 46 item 3: the allocator's retries named by cause (ZOFF_BENCH_ALLOC_HISTORY, zoffbench/
-      # alloc_history.py) on Llama-3-8B b1 seq 4096 (one retry a step on 1x H200 and H100), 6 steps; needs .whl
+    alloc_retries)  # issue 46 items 3 and 1: the allocator's retries named by cause, and the steps' own peak by site
+      # against the plan's traced step (ZOFF_BENCH_ALLOC_HISTORY, zoffbench/alloc_history.py) on Llama-3-8B b1 seq 4096
+      # (one retry a step, the step counted 5.5 GB over the held on 1x H200), 6 steps; needs .whl
       ZOFF_BENCH_ALLOC_HISTORY=1 timeout 300 python3 scripts/bench/bench.py --model llama3_8b --batch 1 --seq 4096 \
           --num-workers 4 --accumulate 1 --steps 6 --warmup 2 --runs zoff --run-timeout-s 280 \
           --out "$OUT/alloc_retries_llama3_8b_b1.json" 2>&1 | grep -v "^INFO" | tail -4 | tee "$OUT/alloc_retries.txt"
       python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['runs'][0]; print(json.dumps({k: r.get(k) for k in
-          ('gpu_alloc_retries_per_step', 'gpu_reserved_by_stream', 'gpu_alloc_retry_causes')}, indent=1)[:6000])" \
+          ('gpu_alloc_retries_per_step', 'gpu_reserved_by_stream', 'gpu_alloc_retry_causes', 'gpu_step_peak')}
+          | {'plan_step_gb': (r.get('memory') or {}).get('accelerator_step', 0) / 1e9}, indent=1)[:9000])" \
           "$OUT/alloc_retries_llama3_8b_b1.json" | tee -a "$OUT/alloc_retries.txt" ;;
     house_gpt1b)  # issue 45: gpt1b batch 8 in another tree (carried as _baseline) and in this one, one call: the
       # refactor moved no time; GPU-only training in this tree beside them
