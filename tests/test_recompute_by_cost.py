@@ -22,11 +22,12 @@ from lightning_zoff._compat import recomputes_activations
 from lightning_zoff.placement import Machine, PlanDoesNotFit, StateOptions, UnitShape, plan_memory, rank as rank_memory
 from lightning_zoff.placement.machine import GiB
 from lightning_zoff.placement.plan import StepMemory
-from lightning_zoff.placement.rank import RankMemory
+from lightning_zoff.placement.rank import RankMemory, gathered_bytes
 from lightning_zoff.placement.recompute_choice import fewest_by_halves
 from lightning_zoff.placement.step_costs import BlockTrade, Rates, block_trade
 from lightning_zoff.placement.step_trace import StepProbe, trace_step_work
 from lightning_zoff.sharding import checkpoint_activations
+from lightning_zoff.units import forward_order, plan_units
 
 CPU = torch.device("cpu")
 
@@ -113,24 +114,27 @@ DEAR_RECOMPUTE = Rates(accelerator_flops_per_s=1.0, host_s_per_element=1e-12)
 CHEAP_RECOMPUTE = Rates(accelerator_flops_per_s=1e18, host_s_per_element=1.0)
 
 
-def auto_run(tmp_path, monkeypatch, rates: Rates, accumulate: int) -> None:
+def auto_run(tmp_path, monkeypatch, rates: Rates, accumulate: int, devices: int = 1) -> None:
     """The tiny LM on an accelerator with room for the model, the step that keeps its activations and a little of the
     state, not all of it: "auto" (recompute and state) at `accumulate` micro-batches a step, `rates` measured."""
     kept = step_bytes(LoggingModule(), False)
     module = LoggingModule()
     model_bytes = sum(p.numel() for p in module.parameters()) * 4
-    # the slack, the model, the step and FSDP2's share (under 4 models' bytes), and a third of the state (12 B/param)
-    with_accelerator(monkeypatch, GiB + model_bytes + kept + 4 * model_bytes + model_bytes)
+    units = plan_units(module)
+    gathered = gathered_bytes(module, units, 4, forward_order(module, units))
+    # the slack, the rank's model shard, the step with FSDP2's share, and a third of the rank's state (12 B/param)
+    with_accelerator(monkeypatch, GiB + model_bytes // devices + kept + gathered + model_bytes // devices)
     monkeypatch.setattr(rank_memory, "measure_rates", lambda device, moment_dtype, host_rate: rates)
     monkeypatch.chdir(tmp_path)
     strategy = ZoffStrategy(start_method="fork", accelerator_state="auto", accelerator_update_share="none")
-    fit(module, token_loader(tiny.GLOBAL), strategy, devices=1, max_steps=1, accumulate=accumulate)
+    fit(module, token_loader(tiny.GLOBAL), strategy, devices=devices, max_steps=1, accumulate=accumulate)
 
 
-def test_auto_keeps_the_activations_where_their_recompute_costs_more(tmp_path, monkeypatch, said):
-    auto_run(tmp_path, monkeypatch, DEAR_RECOMPUTE, accumulate=4)
+@pytest.mark.parametrize("devices", [1, 2])
+def test_auto_keeps_the_activations_where_their_recompute_costs_more(tmp_path, monkeypatch, said, devices):
+    auto_run(tmp_path, monkeypatch, DEAR_RECOMPUTE, accumulate=4, devices=devices)
     chosen = [line for line in said.lines if line.startswith("recomputing")]
-    assert len(chosen) == 1, said.lines
+    assert len(chosen) == 1, said.lines  # two ranks agree (the rates reduced over them): one line for the node
     assert re.match(r"recomputing none of the 3 Block blocks' activations \('auto', by cost: a block recomputed costs"
                     r" [\d.]+ ms a step \(4 micro-batches\), the optimizer state its activations displace [\d.]+ ms of"
                     r" host update\): the step at a batch of 4 x \d+ needs .*, the host holds the state the GPU cannot",

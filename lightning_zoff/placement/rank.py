@@ -32,7 +32,7 @@ from lightning_zoff.placement.plan import (
 from lightning_zoff.placement.policy import accelerator_holds_all, back_for_room, plan_memory
 from lightning_zoff.placement.recompute_choice import fewest_blocks, fewest_by_halves, linear_guess
 from lightning_zoff.placement.refusal import PlanDoesNotFit
-from lightning_zoff.placement.step_costs import HostRate, block_trade, measure_rates
+from lightning_zoff.placement.step_costs import HostRate, Rates, block_trade, measure_rates
 from lightning_zoff.placement.step_trace import StepProbe, measure_step
 from lightning_zoff.sharding import owned_params, padded_shard_numel, recompute_activations
 from lightning_zoff.units import Unit, forward_order
@@ -121,7 +121,7 @@ class RankMemory:
             moment_dtype = torch.bfloat16 if options.moment_bytes == 2 else torch.float32
             trade = block_trade(step, recomputed, len(recomputable), accumulate_grad_batches,
                                 accelerator_bytes_per_element(options),
-                                measure_rates(self.group.device, moment_dtype, self.host_rate))
+                                self._rates(moment_dtype))
             cheaper = self._fewest_that_fit(recomputable, most, step if kept_fits else None, trace, plan_with) \
                 if trade.keep_activations else None
             if cheaper is not None:
@@ -192,6 +192,17 @@ class RankMemory:
             return None
         _switch_first(blocks, count)
         return count, chosen
+
+    def _rates(self, moment_dtype: torch.dtype) -> Rates:
+        """The rates every rank weighs with (`step_costs.measure_rates`): the fastest product and the slowest host over
+        the ranks, both leaning to recompute as each rate does, so that every rank chooses the same blocks."""
+        assert self.host_rate is not None
+        rates = measure_rates(self.group.device, moment_dtype, self.host_rate)
+        if self.group.world_size > 1 and group_is_up():
+            reading = torch.tensor([rates.accelerator_flops_per_s, rates.host_s_per_element], dtype=torch.float64)
+            dist.all_reduce(reading, op=dist.ReduceOp.MAX)  # a CPU tensor: gloo, also under "cpu:gloo,cuda:nccl"
+            rates = Rates(float(reading[0]), float(reading[1]))
+        return rates
 
     def _say_step(self, step: StepMemory | None) -> None:
         if step is not None:

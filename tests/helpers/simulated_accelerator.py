@@ -50,7 +50,7 @@ class Said:
     @property
     def lines(self) -> list[str]:
         text = self.path.read_text() if self.path.exists() else ""
-        return [re.sub(r"^zoff rank \d+: ", "", line) for line in text.splitlines()]
+        return [re.sub(r"^zoff ranks? [\d-]+: ", "", line) for line in text.splitlines()]
 
 
 def with_accelerator(monkeypatch, capacity: int) -> None:
