@@ -74,3 +74,9 @@ def train_data_source(trainer: Any) -> Any:
     """The source of `fit`'s train data, before the fit loop loads it: `.instance` is what `fit` was given (DataLoaders,
     or the DataModule or LightningModule whose hook builds them), `.dataloader()` builds them as the loop will."""
     return getattr(getattr(trainer, "fit_loop", None), "_data_source", None)
+
+
+def batch_hook(module: Any, name: str, batch: Any) -> Any:
+    """The batch hook `name` (`on_before_batch_transfer`, `on_after_batch_transfer`) of `module`'s fit on `batch` of
+    the first DataLoader, as the Trainer calls it: the DataModule's where the DataModule overrides it."""
+    return module._call_batch_hook(name, batch, 0)

@@ -154,6 +154,9 @@ def test_lightning_privates_zoff_builds_on():
     assert params[-1] == "kwargs"  # timeout=
     assert "reduce_op" in inspect.signature(_compat_lightning.sync_ddp_if_available).parameters
     assert _compat_lightning.distributed_is_initialized() is False  # this process holds no process group
+    # a module outside a Trainer calls its own batch hook
+    module = __import__("lightning.pytorch", fromlist=["LightningModule"]).LightningModule()
+    assert _compat_lightning.batch_hook(module, "on_before_batch_transfer", [1]) == [1]
 
 
 def test_hf_init_weights_is_the_models_own_init():

@@ -176,6 +176,33 @@ def test_a_datamodules_loader_gives_the_batch(tmp_path, monkeypatch, said):
         said.lines
 
 
+class LongerInTheHooks(LoggingModule):
+    """Its batch hooks make each sequence twice as long before the transfer, and its targets after: the traced step must
+    be the step the loop runs, at 4 x 32."""
+
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        x, y = batch
+        return torch.cat([x, x], dim=1), y
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        x, y = batch
+        return x, torch.cat([y, y], dim=1)
+
+
+def test_the_batch_hooks_run_before_the_trace(tmp_path, monkeypatch, said):
+    with_accelerator(monkeypatch, 4 * GiB)
+    monkeypatch.chdir(tmp_path)
+    kept = step_bytes(LoggingModule(), False)
+    strategy = ZoffStrategy(start_method="fork", accelerator_state="none", accelerator_update_share="none")
+    fit(LongerInTheHooks(), token_loader(tiny.GLOBAL), strategy, devices=1, max_steps=1)
+    counted = [line for line in said.lines if line.startswith("the plan counts the step at a batch of")]
+    assert len(counted) == 1, said.lines
+    # the line names the batch the loader's hook made; the count, a step twice as long: more than the plain one's
+    assert counted[0].startswith(f"the plan counts the step at a batch of {BATCH} x {2 * tiny.SEQ} "), counted
+    activations = re.search(r"\(activations ([\d.]+) MB", counted[0])
+    assert activations is not None and float(activations.group(1)) * 1e6 > 1.5 * kept, (counted, kept)
+
+
 # -- how many blocks "auto" recomputes ---------------------------------------------------------------------------
 
 

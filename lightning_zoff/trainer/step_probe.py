@@ -7,7 +7,8 @@ moves): its `collate_fn` over the dataset's first `batch_size` samples. A DataLo
 batch sampler of its own gives none (its next batch cannot be had without consuming it): the plan then counts no
 activations and the first step's peak decides, as before. The hook that builds the DataLoaders of a DataModule or
 LightningModule is called for it (Lightning calls it again when the loop starts), only where the step is traced.
-The batch-transfer hooks are not run: a batch they reshape is traced as the loader made it.
+The batch hooks run as in the loop: `on_before_batch_transfer` on the loader's batch, `on_after_batch_transfer` on the
+traced one (its fake tensors, on the device); `transfer_batch_to_device` is not run (the trace puts the batch there).
 """
 
 from __future__ import annotations
@@ -21,14 +22,20 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_zoff._compat_lightning import train_data_source
+from lightning_zoff._compat_lightning import batch_hook, train_data_source
 from lightning_zoff.placement import StepProbe
 
 
 def step_probe(trainer: Any, module: nn.Module, forward_context: Callable[[], Any]) -> StepProbe:
     """The probe of `trainer`'s fit: its first train batch, made only if the plan traces it, and `module`'s
     `training_step` under the precision's `forward_context`."""
-    return StepProbe(cache(lambda: first_batch(trainer)), training_loss(module), forward_context)
+    return StepProbe(cache(lambda: before_transfer(module, first_batch(trainer))), training_loss(module),
+                     forward_context)
+
+
+def before_transfer(module: nn.Module, batch: Any) -> Any:
+    """`batch` through the `on_before_batch_transfer` hook of `module`'s fit (None stays None)."""
+    return None if batch is None else batch_hook(module, "on_before_batch_transfer", batch)
 
 
 def first_batch(trainer: Any) -> Any:
@@ -57,9 +64,11 @@ def _batch_of(loaders: Any) -> Any:
 
 
 def training_loss(module: nn.Module) -> Callable[[Any], torch.Tensor]:
-    """`module.training_step`'s loss for a batch, with its logging switched off (the values are fake tensors)."""
+    """`module.training_step`'s loss for a batch on the device, after its `on_after_batch_transfer` hook, with its
+    logging switched off (the values are fake tensors)."""
     def loss_of(batch: Any) -> torch.Tensor:
         with _not_logging(module):
+            batch = batch_hook(module, "on_after_batch_transfer", batch)
             output = module.training_step(batch, 0)  # type: ignore[operator]
         loss = output.get("loss") if isinstance(output, Mapping) else output
         if not isinstance(loss, torch.Tensor):
