@@ -4,7 +4,6 @@ word-level tokenizer trained here) and a local JSON instruction set; and `run_li
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,9 +13,9 @@ import torch
 from lightning.fabric import Fabric
 from litgpt.args import TrainArgs
 from litgpt.data import JSON
-from litgpt.prompts import Alpaca
 
-WORDS = ["red", "green", "blue", "cat", "dog", "fish", "one", "two", "three", "sun", "moon", "star"]
+from zoffbench import litgpt_inputs
+
 VOCAB = 128
 TINY = dict(n_layer=2, n_embd=32, n_head=4, block_size=64, vocab_size=VOCAB, padded_vocab_size=VOCAB)
 
@@ -26,35 +25,12 @@ def config() -> litgpt.Config:
 
 
 def checkpoint_dir(root: Path, weights: dict[str, torch.Tensor] | None = None) -> Path:
-    """What `litgpt download` would leave, made here: the model's config, its weights (`weights`, else a GPT of
-    `config()` drawn from seed 3) and a tokenizer whose words are the prompt template's and `WORDS`."""
-    from litgpt.utils import save_config
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    out = root / "tiny-gpt"
-    out.mkdir()
-    save_config(config(), out)
-    if weights is None:
-        torch.manual_seed(3)
-        weights = litgpt.GPT(config()).state_dict()
-    torch.save(weights, out / "lit_model.pth")
-    tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    prompt = Alpaca().apply("repeat red", input="")  # the template's words get ids of their own
-    tokenizer.train_from_iterator([prompt, *WORDS, "repeat"],
-                                  trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>"]))
-    tokenizer.save(str(out / "tokenizer.json"))
-    special = {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False}
-    (out / "tokenizer_config.json").write_text(json.dumps({**special, "tokenizer_class": "PreTrainedTokenizerFast"}))
-    return out
+    """What `litgpt download` would leave for the tiny config, made here (`zoffbench.litgpt_inputs`)."""
+    return litgpt_inputs.checkpoint_dir(root, config(), weights)
 
 
 def dataset(root: Path) -> Path:
-    samples = [{"instruction": f"repeat {a} {b}", "input": "", "output": f"{a} {b} {a} {b}"}
-               for a in WORDS for b in WORDS[:4]]
-    path = root / "data.json"
-    path.write_text(json.dumps(samples))
-    return path
+    return litgpt_inputs.dataset(root)
 
 
 def instructions(data: str | Path, max_steps: int) -> tuple[JSON, TrainArgs]:
