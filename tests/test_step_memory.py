@@ -200,7 +200,8 @@ def test_the_batch_hooks_run_before_the_trace(tmp_path, monkeypatch, said):
     # the line names the batch the loader's hook made; the count, a step twice as long: more than the plain one's
     assert counted[0].startswith(f"the plan counts the step at a batch of {BATCH} x {2 * tiny.SEQ} "), counted
     activations = re.search(r"\(activations ([\d.]+) MB", counted[0])
-    assert activations is not None and float(activations.group(1)) * 1e6 > 1.5 * kept, (counted, kept)
+    assert activations is not None, counted
+    assert float(activations.group(1)) * 1e6 > 1.5 * kept, (counted, kept)
 
 
 # -- how many blocks "auto" recomputes ---------------------------------------------------------------------------

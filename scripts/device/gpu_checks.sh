@@ -148,6 +148,16 @@ for stage in "$@"; do
         name=$(echo $run | tr -dc 'a-z_ -' | tr ' -' '__' | sed 's/__*/_/g')
         timeout ${LITGPT_TIMEOUT:-200} $l --strategy $run --json "$OUT/litgpt_llama32_1b_$name.json" 2>&1 | grep -v "^INFO" | tail -3 | tee -a "$OUT/litgpt_1b.txt"
       done ;;
+    litgpt_scripts)  # issue 48: LitGPT's own finetune/full.py and lora.py (random weights, a local instruction set),
+      # under zoff and LitGPT's own choice ("auto" on one GPU), bf16-mixed, 20 iterations, seq 2048: a 1B-class config
+      # (Llama-3.2-1B), then Llama-3-8B full (LitGPT's own: expected out of GPU memory) within the budget. Needs .whl
+      # with litgpt and tokenizers (scripts/device/hf_wheels.sh).
+      b="python3 scripts/bench/bench_litgpt_scripts.py --seq 2048 --iters 20 --work /tmp/litgpt_bench"
+      rm -rf /tmp/litgpt_bench
+      timeout 250 $b --model Llama-3.2-1B --run-timeout-s 110 --out "$OUT/litgpt_full_llama32_1b.json" 2>&1 | grep -v "^INFO" | grep -E "^ *(zoff|litgpt|fsdp):|wrote" | tee "$OUT/litgpt_scripts.txt"
+      rm -rf /tmp/litgpt_bench
+      left=$(( ${LITGPT_BUDGET:-580} - SECONDS ))
+      [ $left -gt 120 ] && timeout $left $b --model Llama-3-8B --run-timeout-s $(( (left - 60) / 2 )) --out "$OUT/litgpt_full_llama3_8b.json" 2>&1 | grep -v "^INFO" | grep -E "^ *(zoff|litgpt|fsdp):|wrote" | tee -a "$OUT/litgpt_scripts.txt" ;;
     users_launch)  # what users launch: Llama-3-8B's and Qwen3-14B's shapes at seq 4096, 4 loader workers (needs .whl
       # with transformers and DeepSpeed). Parts in $USERS_PARTS (default all, in this order), $USERS_STEPS measured steps
       # (default 20; 3 for a smoke run), within $USERS_BUDGET seconds (default 585: one device call): a part's runs get

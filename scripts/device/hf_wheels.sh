@@ -18,6 +18,8 @@ $py -m pip download -q --no-deps "${plat[@]}" -d "$dest" transformers==5.24.0 hu
 # the hub client's HTTP stack and transformers' CLI (typer, rich)
 $py -m pip download -q --no-deps "${plat[@]}" -d "$dest" httpx2==2.16.2 httpcore2==2.16.2 'anyio>=4' idna h11 \
     truststore 'click>=8.4.2,<9' typer==0.29.2 shellingham rich markdown-it-py mdurl pygments annotated-doc
+# LitGPT (scripts/train_litgpt.py, scripts/bench/bench_litgpt_scripts.py), without its pins (as .ci/run installs it)
+$py -m pip download -q --no-deps "${plat[@]}" -d "$dest" litgpt==0.5.13
 # typer's pydantic: the same names as device_wheels.sh --with-deepspeed, so both scripts fetch the same files
 $py -m pip download -q --no-deps "${plat[@]}" -d "$dest" pydantic pydantic-core annotated-types \
     typing-inspection 'typing-extensions>=4.16'
