@@ -15,16 +15,17 @@ is one sample of `--seq` tokens. Needs `pip install --no-deps 'litgpt==0.5.13'` 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from zoffbench.harness import outcome_of, report, run_function
+from zoffbench.results import write_result
 
 STRATEGIES = ("zoff", "litgpt", "fsdp")
+LORA = dict(lora_r=8, lora_alpha=16, lora_dropout=0.0, lora_query=True, lora_value=True)
 
 
 def options(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,7 +41,8 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the s/iter median")
     parser.add_argument("--run-timeout-s", type=float, default=600)
     parser.add_argument("--work", type=Path, default=None, help="where the checkpoint, data and outputs go")
-    parser.add_argument("--out", type=Path, default=None, help="the results JSON")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the results JSON (default bench/results/<date>_<machine>_litgpt_<script>_<model>.json)")
     return parser.parse_args(argv)
 
 
@@ -71,9 +73,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         print(f"{strategy:>8}: {entry['outcome']}"
               + (f", {entry['s_per_iter']:.3f} s/iter, peak GPU {entry['peak_gpu_gb']:.1f} GB" if "s_per_iter" in entry
                  else f": {entry.get('error', '')}"))
-    if args.out is not None:
-        args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "runs": entries}, indent=1))
-        print(f"wrote {args.out}")
+    path = write_result({"runs": entries}, f"litgpt_{args.script}_{args.model.lower().replace('.', '')}", args.out)
+    print(f"wrote {path}")
     return entries
 
 
@@ -109,8 +110,13 @@ def train(script: str, strategy: str, devices: int, precision: str | None, base:
 
     from lightning_zoff import ZoffFabricStrategy
 
-    module = full if script == "full" else lora
-    module.save_hyperparameters = lambda *args, **kwargs: None  # it parses sys.argv as LitGPT's CLI would
+    cuda = torch.cuda.is_available()
+    precision = precision or ("bf16-mixed" if cuda else "32-true")
+    if script == "full":
+        full.save_hyperparameters = lambda *args, **kwargs: None  # it parses sys.argv as LitGPT's CLI would
+    else:  # `merge_lora` reads the LoRA settings back from what `save_hyperparameters` writes of LitGPT's command line
+        sys.argv = ["litgpt", "finetune_lora", base, *(f"--{key}={value}" for key, value in LORA.items()),
+                    f"--precision={precision}"]
     if strategy == "zoff":
         chosen: Any = ZoffFabricStrategy(state_dict_type="full")
     elif strategy == "fsdp" or devices > 1:  # LitGPT's own, as its setup builds it for several devices
@@ -118,15 +124,12 @@ def train(script: str, strategy: str, devices: int, precision: str | None, base:
                               limit_all_gathers=True, cpu_offload=False)
     else:
         chosen = "auto"
-    cuda = torch.cuda.is_available()
-    precision = precision or ("bf16-mixed" if cuda else "32-true")
     fabric = Fabric(devices=devices, strategy=chosen, precision=precision)
     config = Config.from_file(Path(base) / "model_config.yaml")
     if script == "lora":
         from litgpt.lora import Config as LoraConfig
 
-        config = LoraConfig.from_file(Path(base) / "model_config.yaml", lora_r=8, lora_alpha=16, lora_query=True,
-                                      lora_value=True)
+        config = LoraConfig.from_file(Path(base) / "model_config.yaml", **LORA)
     train_args = TrainArgs(save_interval=None, log_interval=1, global_batch_size=devices, micro_batch_size=1,
                            lr_warmup_steps=1, epochs=1000, max_steps=iters, max_seq_length=seq)
     evaluation = EvalArgs(interval=10**6, max_new_tokens=seq + 1, max_iters=1, initial_validation=False,
