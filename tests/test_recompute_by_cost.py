@@ -22,8 +22,8 @@ from lightning_zoff._compat import recomputes_activations
 from lightning_zoff.placement import Machine, PlanDoesNotFit, StateOptions, UnitShape, plan_memory, rank as rank_memory
 from lightning_zoff.placement.machine import GiB
 from lightning_zoff.placement.plan import StepMemory
-from lightning_zoff.placement.rank import RankMemory, gathered_bytes
-from lightning_zoff.placement.recompute_choice import fewest_by_halves
+from lightning_zoff.placement.rank import gathered_bytes
+from lightning_zoff.placement.recompute_choice import fewest_by_halves, fewest_that_fit
 from lightning_zoff.placement.step_costs import BlockTrade, Rates, block_trade
 from lightning_zoff.placement.step_trace import StepProbe, trace_step_work
 from lightning_zoff.sharding import checkpoint_activations
@@ -93,16 +93,16 @@ def test_the_fewest_blocks_with_which_the_plan_fits():
                            Machine(10**13, GiB + (steps[2].total + steps[3].total) // 2), "none", model_bytes=0,
                            step=step)
 
-    chosen = RankMemory._fewest_that_fit(blocks, 4, None, trace, plan_with)
+    chosen = fewest_that_fit(blocks, 4, None, trace, plan_with)
     assert chosen is not None
     assert chosen[0] == 3
     assert chosen[1].total == steps[3].total
     assert [recomputes_activations(b) for b in blocks] == [True, True, True, False]
     # the step with none fits: none recomputed
-    assert RankMemory._fewest_that_fit(blocks, 4, steps[0], trace, plan_with) == (0, steps[0])
+    assert fewest_that_fit(blocks, 4, steps[0], trace, plan_with) == (0, steps[0])
     assert not any(recomputes_activations(b) for b in blocks)
     # no fewer than `most` fit: None, and the first `most` recompute
-    assert RankMemory._fewest_that_fit(blocks, 3, None, trace, plan_with) is None
+    assert fewest_that_fit(blocks, 3, None, trace, plan_with) is None
     assert [recomputes_activations(b) for b in blocks] == [True, True, True, False]
     with pytest.raises(PlanDoesNotFit):
         plan_with(steps[2])

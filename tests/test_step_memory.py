@@ -23,8 +23,8 @@ from lightning_zoff._compat import fake_tensor_mode, recomputes_activations, set
 from lightning_zoff.placement import Machine, PlanDoesNotFit, StateOptions, UnitShape, plan_memory
 from lightning_zoff.placement.machine import GiB
 from lightning_zoff.placement.plan import StepMemory
-from lightning_zoff.placement.rank import RankMemory, gathered_bytes
-from lightning_zoff.placement.recompute_choice import fewest_blocks, linear_guess
+from lightning_zoff.placement.rank import gathered_bytes
+from lightning_zoff.placement.recompute_choice import fewer_for_all_state, fewest_blocks, linear_guess
 from lightning_zoff.placement.step_trace import LiveBytes, StepProbe, fake_parameters, trace_step
 from lightning_zoff.sharding import checkpoint_activations
 from lightning_zoff.units import forward_order, plan_units
@@ -235,7 +235,7 @@ def test_auto_recomputes_the_fewest_first_blocks_that_let_all_the_state_fit():
 
     # the GPU holds its slack (1 GiB) and a step between two recomputed blocks' and one's: two it is
     capacity = GiB + (steps[1].total + steps[2].total) // 2
-    chosen = RankMemory._fewer_blocks(blocks, steps[0], steps[4], trace, plan_with(capacity))
+    chosen = fewer_for_all_state(blocks, steps[0], steps[4], trace, plan_with(capacity))
     assert chosen is not None
     assert chosen[0] == 2
     assert chosen[1].total == steps[2].total
@@ -244,4 +244,4 @@ def test_auto_recomputes_the_fewest_first_blocks_that_let_all_the_state_fit():
     for block in blocks:
         set_recompute(block, True)
     with pytest.raises(PlanDoesNotFit):
-        RankMemory._fewer_blocks(blocks, steps[0], steps[4], trace, plan_with(GiB + steps[4].total - 1))
+        fewer_for_all_state(blocks, steps[0], steps[4], trace, plan_with(GiB + steps[4].total - 1))

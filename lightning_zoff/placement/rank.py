@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_zoff._compat import finish_failed_backward, set_recompute
+from lightning_zoff._compat import finish_failed_backward
 from lightning_zoff.host_watch import HostMemoryLow, available_bytes, floor_bytes, stop_line
 from lightning_zoff.launch.group import RankGroup, group_is_up
 from lightning_zoff.launch.node_log import log_for_node
@@ -30,9 +30,9 @@ from lightning_zoff.placement.plan import (
     accelerator_bytes_per_element,
 )
 from lightning_zoff.placement.policy import accelerator_holds_all, back_for_room, plan_memory
-from lightning_zoff.placement.recompute_choice import fewest_blocks, fewest_by_halves, linear_guess
+from lightning_zoff.placement.recompute_choice import fewer_for_all_state, fewest_that_fit
 from lightning_zoff.placement.refusal import PlanDoesNotFit
-from lightning_zoff.placement.step_costs import HostRate, Rates, block_trade, measure_rates
+from lightning_zoff.placement.step_costs import BlockTrade, HostRate, Rates, block_trade, measure_rates
 from lightning_zoff.placement.step_trace import StepProbe, measure_step
 from lightning_zoff.sharding import owned_params, padded_shard_numel, recompute_activations
 from lightning_zoff.units import Unit, forward_order
@@ -71,7 +71,8 @@ class RankMemory:
         shards of `param_dtype`, and on a GPU the step at `probe`'s batch, traced on fake tensors. "auto" switches on
         the recompute installed (switched off) on the `recomputable` blocks where the accelerator cannot hold every
         unit's state beside the step: on all of them where it cannot even so, else on the fewest first ones that let
-        it (`_fewer_blocks`)."""
+        it; but where a block's recompute costs more than the host's update of the state its activations displace, on
+        the fewest with which the plan fits at all (`recompute_choice.py`, `_by_cost`)."""
         config, machine = self.config, self.machine
         assert machine is not None
         param_bytes = param_dtype.itemsize
@@ -114,23 +115,17 @@ class RankMemory:
         def trace() -> StepMemory | None:
             return measure_step(module, traced, self.group.device, param_dtype, gathered)
 
-        fewer = self._fewer_blocks(recomputable, step, recomputed, trace, plan_with)
+        fewer = fewer_for_all_state(recomputable, step, recomputed, trace, plan_with)
         most = len(recomputable) if fewer is None else fewer[0]
-        # where the state's place is "auto"'s to choose too
-        if config.offload and config.accelerator_state == "auto" and self.host_rate is not None:
-            moment_dtype = torch.bfloat16 if options.moment_bytes == 2 else torch.float32
-            trade = block_trade(step, recomputed, len(recomputable), accumulate_grad_batches,
-                                accelerator_bytes_per_element(options),
-                                self._rates(moment_dtype))
-            cheaper = self._fewest_that_fit(recomputable, most, step if kept_fits else None, trace, plan_with) \
-                if trade.keep_activations else None
-            if cheaper is not None:
-                count, self.step = cheaper
-                self._say(f"recomputing {f'the first {count} of' if count else 'none of the'} {len(recomputable)}"
-                          f" {names} blocks' activations ('auto', by cost: {trade.describe(accumulate_grad_batches)}):"
-                          f" the step at {step.batch} needs {size(self.step.total)}, the host holds the state the GPU"
-                          f" cannot beside it")
-                return
+        cheaper = self._by_cost(recomputable, most, step, recomputed, kept_fits, trace, plan_with,
+                                accumulate_grad_batches, options)
+        if cheaper is not None:
+            count, self.step, trade = cheaper
+            self._say(f"recomputing {f'the first {count} of' if count else 'none of the'} {len(recomputable)}"
+                      f" {names} blocks' activations ('auto', by cost: {trade.describe(accumulate_grad_batches)}):"
+                      f" the step at {step.batch} needs {size(self.step.total)}, the host holds the state the GPU"
+                      f" cannot beside it")
+            return
         if fewer is None:
             self._say(f"recomputing {names} activations ('auto'): the step at {step.batch} needs {size(step.total)}"
                       f" without it, {size(recomputed.total)} with it")
@@ -140,58 +135,22 @@ class RankMemory:
                   f" step at {step.batch} needs {size(step.total)} without, {size(self.step.total)} with them"
                   f" ({size(recomputed.total)} with all): then the GPU can hold all the optimizer state beside it")
 
-    @staticmethod
-    def _fewer_blocks(blocks: Sequence[nn.Module], kept: StepMemory, recomputed: StepMemory,
-                      trace: Callable[[], StepMemory | None], plan_with: Callable[[StepMemory], MemoryPlan]
-                      ) -> tuple[int, StepMemory] | None:
-        """Where the accelerator can hold all the state beside the step with every block recomputed, the fewest
-        first `blocks` that let it (`recompute_choice.py`), switched on and the rest off, with their step; else None
-        (all stay on)."""
-        plan = plan_with(recomputed)
-        if not accelerator_holds_all(plan) or len(blocks) < 2:
+    def _by_cost(self, blocks: Sequence[nn.Module], most: int, kept: StepMemory, recomputed: StepMemory,
+                 kept_fits: bool, trace: Callable[[], StepMemory | None], plan_with: Callable[[StepMemory], MemoryPlan],
+                 micro_batches: int, options: StateOptions) -> tuple[int, StepMemory, BlockTrade] | None:
+        """Where "auto" places the state too and a block's recompute costs more than the host's update of the state its
+        activations displace (`step_costs.py`), fewer than the `most` blocks the memory rule recomputes: the fewest
+        with which the plan fits at all, switched on, with their step and the trade; else None (nothing switched)."""
+        config = self.config
+        if not (config.offload and config.accelerator_state == "auto") or self.host_rate is None:
             return None
-        capacity = plan.machine.accelerator_capacity or 0
-        room = capacity - (plan.with_placement({s.name: Placement.ACCELERATOR for s in plan.shapes}).accelerator_need
-                           - recomputed.total)
-        traced: dict[int, StepMemory | None] = {len(blocks): recomputed}
-
-        def fits(n: int) -> bool:
-            _switch_first(blocks, n)
-            traced[n] = step = trace()
-            try:
-                return step is not None and accelerator_holds_all(plan_with(step))
-            except PlanDoesNotFit:
-                return False
-
-        guess = linear_guess(len(blocks), kept.activations, recomputed.activations, room - kept.gathered)
-        count = fewest_blocks(len(blocks), fits, guess)
-        _switch_first(blocks, count)
-        chosen = traced.get(count)
-        return None if chosen is None or count == len(blocks) else (count, chosen)
-
-    @staticmethod
-    def _fewest_that_fit(blocks: Sequence[nn.Module], most: int, kept: StepMemory | None,
-                         trace: Callable[[], StepMemory | None], plan_with: Callable[[StepMemory], MemoryPlan]
-                         ) -> tuple[int, StepMemory] | None:
-        """The fewest first `blocks` recomputed with which the plan fits at all (none where `kept`, the step with none,
-        fits), switched on and the rest off, with their step; None where that is `most` (the first `most` stay on)."""
-        traced: dict[int, StepMemory | None] = {0: kept}
-
-        def fits(n: int) -> bool:
-            _switch_first(blocks, n)
-            traced[n] = step = trace()
-            try:
-                return step is not None and plan_with(step) is not None
-            except PlanDoesNotFit:
-                return False
-
-        count = 0 if kept is not None else fewest_by_halves(0, most, fits)
-        chosen = traced.get(count)
-        if chosen is None or count >= most:
-            _switch_first(blocks, most)
+        moment_dtype = torch.bfloat16 if options.moment_bytes == 2 else torch.float32
+        trade = block_trade(kept, recomputed, len(blocks), micro_batches, accelerator_bytes_per_element(options),
+                            self._rates(moment_dtype))
+        if not trade.keep_activations:
             return None
-        _switch_first(blocks, count)
-        return count, chosen
+        cheaper = fewest_that_fit(blocks, most, kept if kept_fits else None, trace, plan_with)
+        return None if cheaper is None else (*cheaper, trade)
 
     def _rates(self, moment_dtype: torch.dtype) -> Rates:
         """The rates every rank weighs with (`step_costs.measure_rates`): the fastest product and the slowest host over
@@ -323,12 +282,6 @@ class RankMemory:
                 f" accelerator (accelerator_state={config.accelerator_state!r}), chosen from the steps' peak memory;"
                 f" this step needed more. {advice}"
             ) from err
-
-
-def _switch_first(blocks: Sequence[nn.Module], count: int) -> None:
-    """Recompute the first `count` of `blocks`' activations, not the others'."""
-    for i, block in enumerate(blocks):
-        set_recompute(block, i < count)
 
 
 def unit_shapes_before_sharding(model: nn.Module, units: list[Unit], world_size: int,

@@ -9,13 +9,21 @@ checked by tracing the step at it, and walked up or down a block at a time while
 
 Where a block's recompute costs a step more than the host's update of the optimizer state its activations displace
 (`step_costs.py`: many micro-batches a step), "auto" instead recomputes the fewest blocks with which the plan fits at
-all, the host holding the state the accelerator then cannot.
+all, the host holding the state the accelerator then cannot (found by halving: `fewest_that_fit`). `RankMemory` asks
+(`rank.py`), traces, and says what it chose.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+
+from torch import nn
+
+from lightning_zoff._compat import set_recompute
+from lightning_zoff.placement.plan import MemoryPlan, Placement, StepMemory
+from lightning_zoff.placement.policy import accelerator_holds_all
+from lightning_zoff.placement.refusal import PlanDoesNotFit
 
 
 def fewest_blocks(count: int, fits: Callable[[int], bool], guess: int) -> int:
@@ -51,3 +59,62 @@ def linear_guess(count: int, kept: int, all_recomputed: int, room: int) -> int:
     if saving <= 0:
         return count
     return max(1, min(count, math.ceil((kept - room) / saving)))
+
+
+def fewer_for_all_state(blocks: Sequence[nn.Module], kept: StepMemory, recomputed: StepMemory,
+                  trace: Callable[[], StepMemory | None], plan_with: Callable[[StepMemory], MemoryPlan]
+                  ) -> tuple[int, StepMemory] | None:
+    """Where the accelerator can hold all the state beside the step with every block recomputed, the fewest
+    first `blocks` that let it (`recompute_choice.py`), switched on and the rest off, with their step; else None
+    (all stay on)."""
+    plan = plan_with(recomputed)
+    if not accelerator_holds_all(plan) or len(blocks) < 2:
+        return None
+    capacity = plan.machine.accelerator_capacity or 0
+    room = capacity - (plan.with_placement({s.name: Placement.ACCELERATOR for s in plan.shapes}).accelerator_need
+                       - recomputed.total)
+    traced: dict[int, StepMemory | None] = {len(blocks): recomputed}
+
+    def fits(n: int) -> bool:
+        switch_first(blocks, n)
+        traced[n] = step = trace()
+        try:
+            return step is not None and accelerator_holds_all(plan_with(step))
+        except PlanDoesNotFit:
+            return False
+
+    guess = linear_guess(len(blocks), kept.activations, recomputed.activations, room - kept.gathered)
+    count = fewest_blocks(len(blocks), fits, guess)
+    switch_first(blocks, count)
+    chosen = traced.get(count)
+    return None if chosen is None or count == len(blocks) else (count, chosen)
+
+
+def fewest_that_fit(blocks: Sequence[nn.Module], most: int, kept: StepMemory | None,
+                     trace: Callable[[], StepMemory | None], plan_with: Callable[[StepMemory], MemoryPlan]
+                     ) -> tuple[int, StepMemory] | None:
+    """The fewest first `blocks` recomputed with which the plan fits at all (none where `kept`, the step with none,
+    fits), switched on and the rest off, with their step; None where that is `most` (the first `most` stay on)."""
+    traced: dict[int, StepMemory | None] = {0: kept}
+
+    def fits(n: int) -> bool:
+        switch_first(blocks, n)
+        traced[n] = step = trace()
+        try:
+            return step is not None and plan_with(step) is not None
+        except PlanDoesNotFit:
+            return False
+
+    count = 0 if kept is not None else fewest_by_halves(0, most, fits)
+    chosen = traced.get(count)
+    if chosen is None or count >= most:
+        switch_first(blocks, most)
+        return None
+    switch_first(blocks, count)
+    return count, chosen
+
+
+def switch_first(blocks: Sequence[nn.Module], count: int) -> None:
+    """Recompute the first `count` of `blocks`' activations, not the others'."""
+    for i, block in enumerate(blocks):
+        set_recompute(block, i < count)
