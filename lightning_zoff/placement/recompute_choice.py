@@ -62,10 +62,10 @@ def linear_guess(count: int, kept: int, all_recomputed: int, room: int) -> int:
 
 
 def fewer_for_all_state(blocks: Sequence[nn.Module], kept: StepMemory, recomputed: StepMemory,
-                  trace: Callable[[], StepMemory | None], plan_with: Callable[[StepMemory], MemoryPlan]
-                  ) -> tuple[int, StepMemory] | None:
-    """Where the accelerator can hold all the state beside the step with every block recomputed, the fewest
-    first `blocks` that let it (`recompute_choice.py`), switched on and the rest off, with their step; else None
+                        trace: Callable[[], StepMemory | None], plan_with: Callable[[StepMemory], MemoryPlan]
+                        ) -> tuple[int, StepMemory] | None:
+    """Where the accelerator can hold all the state beside the step with every block recomputed, the fewest first
+    `blocks` that let it (a guess from the ends, walked), switched on and the rest off, with their step; else None
     (all stay on)."""
     plan = plan_with(recomputed)
     if not accelerator_holds_all(plan) or len(blocks) < 2:
@@ -74,15 +74,7 @@ def fewer_for_all_state(blocks: Sequence[nn.Module], kept: StepMemory, recompute
     room = capacity - (plan.with_placement({s.name: Placement.ACCELERATOR for s in plan.shapes}).accelerator_need
                        - recomputed.total)
     traced: dict[int, StepMemory | None] = {len(blocks): recomputed}
-
-    def fits(n: int) -> bool:
-        switch_first(blocks, n)
-        traced[n] = step = trace()
-        try:
-            return step is not None and accelerator_holds_all(plan_with(step))
-        except PlanDoesNotFit:
-            return False
-
+    fits = _traced_check(blocks, trace, traced, lambda step: accelerator_holds_all(plan_with(step)))
     guess = linear_guess(len(blocks), kept.activations, recomputed.activations, room - kept.gathered)
     count = fewest_blocks(len(blocks), fits, guess)
     switch_first(blocks, count)
@@ -91,20 +83,12 @@ def fewer_for_all_state(blocks: Sequence[nn.Module], kept: StepMemory, recompute
 
 
 def fewest_that_fit(blocks: Sequence[nn.Module], most: int, kept: StepMemory | None,
-                     trace: Callable[[], StepMemory | None], plan_with: Callable[[StepMemory], MemoryPlan]
-                     ) -> tuple[int, StepMemory] | None:
+                    trace: Callable[[], StepMemory | None], plan_with: Callable[[StepMemory], MemoryPlan]
+                    ) -> tuple[int, StepMemory] | None:
     """The fewest first `blocks` recomputed with which the plan fits at all (none where `kept`, the step with none,
     fits), switched on and the rest off, with their step; None where that is `most` (the first `most` stay on)."""
     traced: dict[int, StepMemory | None] = {0: kept}
-
-    def fits(n: int) -> bool:
-        switch_first(blocks, n)
-        traced[n] = step = trace()
-        try:
-            return step is not None and plan_with(step) is not None
-        except PlanDoesNotFit:
-            return False
-
+    fits = _traced_check(blocks, trace, traced, lambda step: plan_with(step) is not None)
     count = 0 if kept is not None else fewest_by_halves(0, most, fits)
     chosen = traced.get(count)
     if chosen is None or count >= most:
@@ -118,3 +102,17 @@ def switch_first(blocks: Sequence[nn.Module], count: int) -> None:
     """Recompute the first `count` of `blocks`' activations, not the others'."""
     for i, block in enumerate(blocks):
         set_recompute(block, i < count)
+
+
+def _traced_check(blocks: Sequence[nn.Module], trace: Callable[[], StepMemory | None],
+                  traced: dict[int, StepMemory | None], accepts: Callable[[StepMemory], bool]) -> Callable[[int], bool]:
+    """`fits(n)`: the first `n` blocks switched on, the step traced (kept in `traced`) and `accepts` asked of it; a
+    plan that refuses, or a step that cannot be traced, does not fit."""
+    def fits(n: int) -> bool:
+        switch_first(blocks, n)
+        traced[n] = step = trace()
+        try:
+            return step is not None and accepts(step)
+        except PlanDoesNotFit:
+            return False
+    return fits
