@@ -4,9 +4,7 @@ recomputed in every run, and torchao's CPUOffloadOptimizer refused here with its
 
 import importlib.util
 import json
-import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +14,6 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 
 from zoffbench import bench, configs, model_shapes, runs, torchao_run
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 MEGATRAIN = dict(model="qwen25_7b", batch=8, accumulate=[18], seq=1024, num_workers=4, activation_checkpointing=True,
                  zoff_option=["activation_checkpointing_policy='auto'"])
 
@@ -200,9 +197,9 @@ def test_a_preset_call_records_its_config_and_every_peers_outcome(tmp_path):
     """The megatrain preset on the CPU: Lightning's FSDP (GPU only) and torchao (not installed, or no GPU) are
     entries with their reasons, and no run process starts (a few seconds)."""
     out = tmp_path / "bench.json"
-    command = [sys.executable, str(SCRIPTS / "bench" / "bench.py"), "--config", "megatrain_qwen25_7b", "--runs",
-               "fsdp_cpu_offload", "torchao_cpu_offload", "--out", str(out)]
-    subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
+    # bench.py's parent in this process: test_bench_cli runs its whole command line
+    bench.main(["--config", "megatrain_qwen25_7b", "--runs", "fsdp_cpu_offload", "torchao_cpu_offload", "--out",
+                str(out)])
     record = json.loads(out.read_text())
     assert record["config"]["name"] == "megatrain_qwen25_7b"
     assert record["config"]["arguments"] == MEGATRAIN
@@ -219,12 +216,11 @@ def test_a_preset_call_records_its_config_and_every_peers_outcome(tmp_path):
 
 @pytest.mark.slow
 def test_fsdp2_cpu_offload_trains_on_cpu_ranks(tmp_path):
-    """FSDP2's CPUOffloadPolicy through the whole command line on the CPU (gloo), blocks recomputed."""
+    """FSDP2's CPUOffloadPolicy through bench.py's arguments on the CPU (gloo), blocks recomputed."""
     out = tmp_path / "bench.json"
-    command = [sys.executable, str(SCRIPTS / "bench" / "bench.py"), "--model", "tiny", "--runs", "fsdp2_cpu_offload",
-               "--accumulate", "2", "--steps", "2", "--warmup", "1", "--batch", "2", "--activation-checkpointing",
-               "--out", str(out)]
-    subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
+    # bench.py's parent here; the run in a fresh process of its own
+    bench.main(["--model", "tiny", "--runs", "fsdp2_cpu_offload", "--accumulate", "2", "--steps", "2", "--warmup", "1",
+                "--batch", "2", "--activation-checkpointing", "--out", str(out)])
     (run,) = json.loads(out.read_text())["runs"]
     assert "error" not in run, run.get("stderr_tail")
     assert (run["name"], run["accumulate"], run["activation_checkpointing"], run["exact"]) == (
