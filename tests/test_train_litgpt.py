@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -20,8 +22,9 @@ TINY = ["--model", "pythia-14m", "--n-layer", "2", "--block-size", "32", "--micr
         "--max-steps", "4", "--log-every", "2", "--max-bytes", "200000", "--full-init", "--lr", "3e-3"]
 
 
-def run(tmp_path: Path, strategy: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+def run(tmp_path: Path, strategy: str, port: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "MASTER_PORT": str(port)}
     out = tmp_path / strategy
     cmd = [sys.executable, str(ROOT / "scripts" / "train_litgpt.py"), *TINY, "--strategy", strategy,
            "--out", str(out), "--json", str(out / "run.json")]
@@ -33,7 +36,14 @@ def run(tmp_path: Path, strategy: str) -> dict:
 
 
 def test_litgpt_gpt_in_litgpts_setup_order_trains_as_under_ddp(tmp_path):
-    zoff, ddp = run(tmp_path, "zoff"), run(tmp_path, "ddp")
+    # both runs at once, each on a port of its own: most of a run is its two interpreters importing Lightning and
+    # LitGPT one after the other, which leaves a core idle
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", 0))
+        ports = a.getsockname()[1], b.getsockname()[1]
+    with ThreadPoolExecutor(2) as pool:
+        zoff, ddp = pool.map(run, [tmp_path] * 2, ["zoff", "ddp"], ports)
     assert zoff["parameters"] == ddp["parameters"]
     assert len(zoff["losses"]) == 4
     a, b = torch.tensor(zoff["losses"], dtype=torch.float64), torch.tensor(ddp["losses"], dtype=torch.float64)
