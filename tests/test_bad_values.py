@@ -9,15 +9,13 @@ loaded), the CLI's in this process; no rank starts.
 from __future__ import annotations
 
 import re
-import runpy
-import sys
 
 import pytest
 
-import test_main_job_second_day
 from lightning_zoff.cli import main as cli_main, short_parse_error
 from lightning_zoff.config import removed_option
 from test_cli import CLI
+from test_main_job import TRAIN
 from test_main_job_second_day import assert_refused, run_refused
 from train_overrides import hydra_refusal
 
@@ -54,24 +52,14 @@ def test_a_bad_value_of_the_main_job_is_one_line_and_exit_status_2(tmp_path, arg
 @pytest.mark.parametrize("argv", [["strategy.update_lag=1"], ["strategy=zoff_no_offload", "+strategy.update_lag=0"]])
 def test_the_main_job_says_why_an_option_was_removed(tmp_path, argv):
     refused = run_refused(tmp_path, *argv)  # as for a key that does not exist: one line, exit status 2, no directory
-    assert (refused.code, refused.out) == (2, "")
-    assert refused.err.splitlines() == [f"'strategy.update_lag': {removed_option('update_lag')}"]
+    assert (refused.returncode, refused.stdout) == (2, "")
+    assert refused.stderr.splitlines() == [f"'strategy.update_lag': {removed_option('update_lag')}"]
     assert not (tmp_path / "outputs").exists()
 
 
-def test_the_fabric_job_has_the_main_job_s_door(tmp_path, monkeypatch):
-    def run_fabric_job(*args: str) -> int:
-        sys.argv = [str(test_main_job_second_day.ROOT / "scripts" / "train_fabric.py"), *args]
-        try:
-            runpy.run_path(sys.argv[0], run_name="__main__")
-        except SystemExit as exit_:
-            return exit_.code if isinstance(exit_.code, int) else 1
-        finally:
-            sys.stderr.flush()
-        return 0
-
-    monkeypatch.setattr(test_main_job_second_day, "run_script", run_fabric_job)  # run_refused forks and runs this
-    assert assert_refused(tmp_path, "strategy=zof").startswith("error: strategy=zof: no such option; strategy has: ")
+def test_the_fabric_job_has_the_main_job_s_door(tmp_path):
+    line = assert_refused(tmp_path, "strategy=zof", script=TRAIN.with_name("train_fabric.py"))
+    assert line.startswith("error: strategy=zof: no such option; strategy has: ")
 
 
 def test_hydra_refusal_composes_every_value_of_a_sweep_and_leaves_good_commands_alone():

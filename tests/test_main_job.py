@@ -14,22 +14,31 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from helpers.forked_script import run_forked
 from lightning_zoff.checkpoint import files as checkpoint_files
 from lightning_zoff.checkpoint.consolidate import consolidate
 from lightning_zoff.examples.gpt import GPTModule
 from lightning_zoff.examples.hf import HFCausalLM
 
-pytestmark = pytest.mark.slow  # each test starts the main job in an interpreter of its own
+# each test starts the main job: test_one_job in an interpreter of its own, as a user does; the others in a fork of
+# this process, which skips importing Lightning again
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "scripts" / "train.py"
 # smaller than the defaults, so the runs stay short: less corpus to read, a shorter sample
 SMALL = ["data.max_bytes=400000", "sample.max_new_tokens=16"]
 
 
-def train(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+def train(cwd: Path, *args: str, fork: bool = False) -> subprocess.CompletedProcess:
+    """`python scripts/train.py *args` in `cwd`, which succeeds: in an interpreter of its own, as a user runs it, or
+    with `fork` in a fork of this process (`run_forked`: the same run, without importing Lightning again)."""
+    if fork:
+        proc = run_forked(TRAIN, *args, cwd=cwd)
+    else:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        proc = subprocess.run([sys.executable, str(TRAIN), *args], cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
@@ -88,7 +97,8 @@ def test_one_job(tmp_path):
 
 
 def test_one_job_with_a_hugging_face_model(tmp_path):
-    proc = train(tmp_path, "model=hf_qwen3_tiny", "trainer.max_steps=3", "trainer.log_every_n_steps=1", *SMALL)
+    proc = train(tmp_path, "model=hf_qwen3_tiny", "trainer.max_steps=3", "trainer.log_every_n_steps=1", *SMALL,
+                 fork=True)
     out = proc.stdout
     assert "FSDPQwen3ForCausalLM" in out  # the model summary: the transformers model, sharded
     checkpoint = Path(out.split("checkpoint: ")[1].split("\n")[0])
@@ -115,7 +125,7 @@ def test_one_job_with_a_hugging_face_model(tmp_path):
 
 
 def test_sweep_runs_each_job_in_its_own_directory(tmp_path):
-    proc = train(tmp_path, "-m", "trainer.max_steps=2", "optimizer.lr=1e-3,2e-3", *SMALL)
+    proc = train(tmp_path, "-m", "trainer.max_steps=2", "optimizer.lr=1e-3,2e-3", *SMALL, fork=True)
     jobs = sorted((tmp_path / "multirun").glob("*/*/[0-9]"))
     assert [job.name for job in jobs] == ["0", "1"], proc.stdout[-2000:]
     weights = []
@@ -131,9 +141,7 @@ def test_sweep_runs_each_job_in_its_own_directory(tmp_path):
 
 
 def test_a_key_that_does_not_exist_is_named_with_the_keys_there(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "trainer.max_step=3"], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = run_forked(TRAIN, "trainer.max_step=3", cwd=tmp_path)
     assert proc.returncode == 2
     assert re.search(r"'trainer\.max_step' does not exist; trainer has: accelerator, .*, max_steps, ", proc.stderr)
     assert "+trainer.max_step" not in proc.stdout + proc.stderr  # Hydra's advice to add the key does not come first
@@ -141,9 +149,7 @@ def test_a_key_that_does_not_exist_is_named_with_the_keys_there(tmp_path):
 
 
 def test_a_value_that_leaves_no_data_is_named_without_a_traceback(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "data.batch_size=0"], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = run_forked(TRAIN, "data.batch_size=0", cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == "error: data.batch_size=0: expected a positive integer"
     assert "Traceback" not in proc.stdout + proc.stderr

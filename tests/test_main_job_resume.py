@@ -16,7 +16,9 @@ import torch
 from lightning_zoff.checkpoint import files as checkpoint_files
 from test_main_job import ROOT, SMALL, load_weights, train
 
-pytestmark = pytest.mark.slow  # each test starts (and stops) the main job in interpreters of their own
+# each test starts (and stops) the main job in interpreters of their own; the runs that are not stopped, in forks of
+# this process
+pytestmark = pytest.mark.slow
 
 TESTS = Path(__file__).resolve().parent
 # 6 steps, last.ckpt after step 3 and at the end; a loss logged every step
@@ -48,7 +50,7 @@ def assert_continues(resumed: Path, whole: Path) -> None:
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory) -> Path:
     """The run never stopped."""
-    return run_dir_of(train(tmp_path_factory.mktemp("whole"), *RUN))
+    return run_dir_of(train(tmp_path_factory.mktemp("whole"), *RUN, fork=True))
 
 
 def killed_run(cwd: Path, *args: str) -> Path:
@@ -67,7 +69,8 @@ def killed_run(cwd: Path, *args: str) -> Path:
 def test_a_killed_job_resumes_from_its_last_checkpoint_as_if_never_stopped(tmp_path, whole):
     checkpoint = killed_run(tmp_path)
     assert checkpoint_files.read(checkpoint, None)["global_step"] == 3  # the periodic one
-    resumed_proc = train(tmp_path, *RUN, "ckpt_path=last")  # the newest last.ckpt under outputs/: the killed job's
+    # the newest last.ckpt under outputs/: the killed job's
+    resumed_proc = train(tmp_path, *RUN, "ckpt_path=last", fork=True)
     resumed = run_dir_of(resumed_proc)
     assert resumed != checkpoint.parents[1]
     assert f"Restoring states from the checkpoint path at {checkpoint}" in resumed_proc.stdout + resumed_proc.stderr
@@ -81,7 +84,7 @@ def test_a_killed_job_resumes_from_its_last_checkpoint_as_if_never_stopped(tmp_p
 def test_a_full_checkpoint_file_resumes_too(tmp_path, whole):
     checkpoint = killed_run(tmp_path, "strategy.state_dict_type=full")
     assert checkpoint.is_file()  # one torch.save file from rank 0
-    resumed = run_dir_of(train(tmp_path, *RUN, f"ckpt_path={checkpoint}"))
+    resumed = run_dir_of(train(tmp_path, *RUN, f"ckpt_path={checkpoint}", fork=True))
     assert_continues(resumed, whole)
 
 

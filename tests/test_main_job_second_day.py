@@ -1,9 +1,9 @@
 """scripts/train.py on a user's second day: a finished run trained further, `ckpt_path=last` among other models' runs,
 a checkpoint that cannot load, a bad strategy value, the sample as a file.
 
-Two runs train (a first run of 2 steps and its resume to 5); every refusal runs the command in a fork of this test
-process (`run_refused`), which has the script's imports loaded already: each costs a second, not a new interpreter's
-10 s of importing Lightning on 2 cores.
+Two runs train (a first run of 2 steps and its resume to 5); they and every refusal run the command in a fork of this
+test process (`run_forked`), which has the script's imports loaded already: a refusal costs a second, not a new
+interpreter's 10 s of importing Lightning on 2 cores.
 """
 
 from __future__ import annotations
@@ -11,12 +11,9 @@ from __future__ import annotations
 import csv
 import os
 import re
-import runpy
 import shutil
-import signal
-import sys
+import subprocess
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,10 +21,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from helpers.forked_script import run_forked
 from lightning_zoff.app import resume
 from lightning_zoff.app.report import readable
 from lightning_zoff.checkpoint import files as checkpoint_files
-from test_main_job import ROOT, SMALL, load_weights, train
+from test_main_job import SMALL, TRAIN, load_weights, train
 from train_overrides import CONF
 
 # no validation (its batches would only cost time), a loss logged every step
@@ -35,71 +33,23 @@ RUN = [*SMALL, "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0", 
 PROMPT = "\x01def "  # the first run's sample begins with a control byte
 
 
-@dataclass
-class Refused:
-    code: int
-    out: str
-    err: str
-
-
-def run_refused(cwd: Path, *args: str, timeout: float = 120) -> Refused:
-    """`python scripts/train.py *args` in `cwd`, run in a fork of this process: the same `__main__`, Hydra and all,
-    with stdout and stderr in files."""
-    out, err = cwd / ".refused.out", cwd / ".refused.err"
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        code = 1
-        try:
-            os.chdir(cwd)
-            with open(out, "w") as stdout, open(err, "w") as stderr:
-                os.dup2(stdout.fileno(), 1)
-                os.dup2(stderr.fileno(), 2)
-                sys.stdout, sys.stderr = stdout, stderr
-                code = run_script(*args)
-        finally:
-            os._exit(code)
-    deadline = time.monotonic() + timeout
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            done = os.waitpid(pid, 0)
-            break
-        time.sleep(0.05)
-    code = os.waitstatus_to_exitcode(done[1])
-    result = Refused(code, out.read_text(), err.read_text())
-    out.unlink()
-    err.unlink()
-    return result
-
-
-def run_script(*args: str) -> int:
-    """The exit status of scripts/train.py's `__main__` with `args`."""
-    sys.argv = [str(ROOT / "scripts" / "train.py"), *args]
-    try:
-        runpy.run_path(sys.argv[0], run_name="__main__")
-    except SystemExit as exit_:
-        return exit_.code if isinstance(exit_.code, int) else 1
-    except BaseException:
-        traceback.print_exc()
-        return 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    return 0
+def run_refused(cwd: Path, *args: str, script: Path = TRAIN) -> subprocess.CompletedProcess:
+    """`python scripts/train.py *args` (or `script`) in `cwd`, run in a fork of this process (`run_forked`)."""
+    return run_forked(script, *args, cwd=cwd, timeout=120)
 
 
 def run_dirs(cwd: Path) -> set[Path]:
     return set(cwd.glob("outputs/*/*"))
 
 
-def assert_refused(cwd: Path, *args: str) -> str:
+def assert_refused(cwd: Path, *args: str, script: Path = TRAIN) -> str:
     """The one line a refused run prints; it exits 2 before any rank starts and leaves no directory."""
     before = run_dirs(cwd)
-    refused = run_refused(cwd, *args)
-    assert refused.code == 2, (refused.code, refused.out[-2000:], refused.err[-3000:])
-    assert refused.out == ""
-    assert "Initializing distributed" not in refused.err  # no rank started
-    [line] = refused.err.splitlines()  # and no traceback, no log line before it
+    refused = run_refused(cwd, *args, script=script)
+    assert refused.returncode == 2, (refused.returncode, refused.stdout[-2000:], refused.stderr[-3000:])
+    assert refused.stdout == ""
+    assert "Initializing distributed" not in refused.stderr  # no rank started
+    [line] = refused.stderr.splitlines()  # and no traceback, no log line before it
     assert line.startswith("error: ")
     assert run_dirs(cwd) == before
     return line
@@ -121,8 +71,8 @@ def printed_path(out: str, label: str) -> Path:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Runs:
     cwd = tmp_path_factory.mktemp("second_day")
-    first = train(cwd, "trainer.max_steps=2", f"sample.prompt='{PROMPT}'", *RUN).stdout
-    then = train(cwd, "trainer.max_steps=5", "ckpt_path=last", *RUN)
+    first = train(cwd, "trainer.max_steps=2", f"sample.prompt='{PROMPT}'", *RUN, fork=True).stdout
+    then = train(cwd, "trainer.max_steps=5", "ckpt_path=last", *RUN, fork=True)
     return Runs(cwd, first, then.stdout, then.stderr)
 
 

@@ -13,18 +13,26 @@ from pathlib import Path
 
 import pytest
 
+from helpers.forked_script import run_forked
 from lightning_zoff.checkpoint import files as checkpoint_files
 from test_main_job import SMALL, load_weights, train
 
-pytestmark = pytest.mark.slow  # each test starts the Fabric script in an interpreter of its own
+# the Fabric script's first run in an interpreter of its own, as a user runs it; the resumes in forks of this process
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "train_fabric.py"
 
 
-def train_fabric(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_fabric.py"), *args, *SMALL],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+def train_fabric(cwd: Path, *args: str, fork: bool = False) -> subprocess.CompletedProcess:
+    """`python scripts/train_fabric.py *args` in `cwd`, which succeeds: in an interpreter of its own, or with `fork`
+    in a fork of this process (`run_forked`)."""
+    if fork:
+        proc = run_forked(SCRIPT, *args, *SMALL, cwd=cwd)
+    else:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        proc = subprocess.run([sys.executable, str(SCRIPT), *args, *SMALL], cwd=cwd, env=env, capture_output=True,
+                              text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
@@ -63,13 +71,14 @@ def test_a_checkpoint_of_either_door_resumed_by_the_other_goes_on_from_its_step(
     cwd, proc = fabric_run
     # the Fabric loop's checkpoint (step 4) under the Trainer: steps 5 and 6, not 6 steps from 0 again
     main = train(cwd, f"ckpt_path={checkpoint_of(proc.stdout)}", "trainer.max_steps=6", "trainer.log_every_n_steps=1",
-                 "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0", *SMALL)
+                 "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0", *SMALL, fork=True)
     trained = checkpoint_of(main.stdout)
     with open(trained.parents[1] / "lightning_logs" / "version_0" / "metrics.csv") as rows:
         assert sorted({int(row["step"]) for row in csv.DictReader(rows) if row["train_loss"]}) == [4, 5]
     assert checkpoint_files.read(trained, None)["global_step"] == 6
     # and the Trainer's checkpoint (step 6) under the Fabric loop: steps 7 and 8
-    resumed = train_fabric(cwd, f"ckpt_path={trained}", "trainer.max_steps=8", "trainer.log_every_n_steps=1")
+    resumed = train_fabric(cwd, f"ckpt_path={trained}", "trainer.max_steps=8", "trainer.log_every_n_steps=1",
+                           fork=True)
     assert f"resumed from {trained} at step 6" in resumed.stdout
     assert logged_steps(resumed.stdout) == [7, 8]
     assert checkpoint_files.read(checkpoint_of(resumed.stdout), None)["global_step"] == 8
