@@ -190,6 +190,14 @@ for stage in "$@"; do
           *) echo "users_launch: unknown part $part (llama_b1 llama_b4 llama_b1_share qwen14b qwen14b_share deepspeed)" ;;
         esac
       done ;;
+    megatrain_zoff)  # issue 53's first figure alone: zoff at MegaTrain's Qwen2.5-7B configuration (4 workers, default
+      # options), 5 steps; on a GPU larger than an H100's 80 GB the allocator is capped at the H100's 79.2 GiB (the plan
+      # reads the cap), so the plan chooses as on the H100; the compute is the larger card's
+      cap=$(python3 -c "import torch; t = torch.cuda.get_device_properties(0).total_memory / 2**30; print('--gpu-memory-gb 79.2' if t > 80 else '')")
+      timeout 280 python3 scripts/bench/bench.py --config megatrain_qwen25_7b --runs zoff --warmup 1 --steps 5 $cap \
+          --run-timeout-s 270 --out "$OUT/megatrain_qwen25_7b_zoff.json" 2>&1 | tee "$OUT/megatrain_zoff.log" \
+          | grep -v "^INFO" | tail -6 | tee "$OUT/megatrain_zoff.txt"
+      grep -h "recomputing\|zoff:" "$OUT/megatrain_zoff.log" | cut -c1-700 | head -12 ;;
     peers)  # the peers at their own headline configurations (issue 53), each part one bench call and one JSON, every
       # outcome recorded (time, gpu_oom, host_oom, timeout, unsupported). Needs .whl with transformers, DeepSpeed and
       # torchao (device_wheels.sh --with-deepspeed, scripts/device/hf_wheels.sh, scripts/device/torchao_wheels.sh).
