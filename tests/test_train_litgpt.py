@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from helpers.ports import free_ports
 
 pytestmark = pytest.mark.slow  # the LitGPT script in an interpreter of its own
 
@@ -38,12 +39,8 @@ def run(tmp_path: Path, strategy: str, port: int) -> dict:
 def test_litgpt_gpt_in_litgpts_setup_order_trains_as_under_ddp(tmp_path):
     # both runs at once, each on a port of its own: most of a run is its two interpreters importing Lightning and
     # LitGPT one after the other, which leaves a core idle
-    with socket.socket() as a, socket.socket() as b:
-        a.bind(("127.0.0.1", 0))
-        b.bind(("127.0.0.1", 0))
-        ports = a.getsockname()[1], b.getsockname()[1]
     with ThreadPoolExecutor(2) as pool:
-        zoff, ddp = pool.map(run, [tmp_path] * 2, ["zoff", "ddp"], ports)
+        zoff, ddp = pool.map(run, [tmp_path] * 2, ["zoff", "ddp"], free_ports(2))
     assert zoff["parameters"] == ddp["parameters"]
     assert len(zoff["losses"]) == 4
     a, b = torch.tensor(zoff["losses"], dtype=torch.float64), torch.tensor(ddp["losses"], dtype=torch.float64)
