@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import helpers.trainer
+from helpers.ports import free_ports
 from helpers.tiny import TinyLM, token_loader
 from helpers.tiny_module import TinyModule
 from lightning_zoff import ZoffPrecision, ZoffStrategy
@@ -131,33 +132,58 @@ def test_configure_optimizers_is_checked_before_the_ranks_where_it_can_run():
 REFUSED = Path(__file__).parent / "scripts" / "refused.py"
 
 
-def run_refused(tmp_path: Path, *args: str, kernel_cache: Path | None = None) -> tuple[int, list[str], list[str]]:
-    """Runs tests/scripts/refused.py with the default launcher: its exit code, its output's lines, and the heavy things
-    it did (`REFUSED_TRACE`'s lines: ranks started, process groups joined, models sharded). Its temporary files go to
-    `tmp_path`, its kernel builds to `kernel_cache` where given."""
-    trace = tmp_path / "trace.txt"
-    env = {**os.environ, "TMPDIR": str(tmp_path), "REFUSED_TRACE": str(trace)}
-    if kernel_cache is not None:
-        env["ZOFF_CACHE_DIR"] = str(kernel_cache)
-    proc = subprocess.run([sys.executable, str(REFUSED), *args], capture_output=True, text=True, timeout=300, env=env)
-    events = trace.read_text().splitlines() if trace.exists() else []
-    return proc.returncode, (proc.stdout + proc.stderr).rstrip().splitlines(), events
+class RefusedRun:
+    """tests/scripts/refused.py started with the default launcher (`args`: the mistake, the checkpoint), in the
+    background: its temporary files go to `tmp_path`, its kernel builds to `kernel_cache` where given, its ranks meet
+    on `port` where given."""
+
+    def __init__(self, tmp_path: Path, *args: str, kernel_cache: Path | None = None, port: int | None = None) -> None:
+        self.trace, self.stdout, self.stderr = tmp_path / "trace.txt", tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+        env = {**os.environ, "TMPDIR": str(tmp_path), "REFUSED_TRACE": str(self.trace)}
+        if port is not None:
+            env["MASTER_PORT"] = str(port)
+        if kernel_cache is not None:
+            env["ZOFF_CACHE_DIR"] = str(kernel_cache)
+        with open(self.stdout, "w") as stdout, open(self.stderr, "w") as stderr:  # files: no pipe to fill up
+            self.proc = subprocess.Popen([sys.executable, str(REFUSED), *args], stdout=stdout, stderr=stderr, env=env)
+
+    def wait(self) -> tuple[int, list[str], list[str]]:
+        """Its exit code, its output's lines (stdout's, then stderr's), and the heavy things it did (`REFUSED_TRACE`'s
+        lines: ranks started, process groups joined, models sharded)."""
+        code = self.proc.wait(timeout=300)
+        events = self.trace.read_text().splitlines() if self.trace.exists() else []
+        return code, (self.stdout.read_text() + self.stderr.read_text()).rstrip().splitlines(), events
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("mistake", "message"), [
+REFUSALS = [
     ("manual", "ValueError: strategy='zoff' supports automatic optimization only"),
     ("sgd", "TypeError: strategy='zoff' runs the optimizer step on the CPU and supports torch.optim.AdamW"),
     ("two", "ValueError: strategy='zoff' drives exactly one optimizer; configure_optimizers returned 2."),
     ("missing", "lightning_zoff.checkpoint.files.CheckpointError: {ckpt}: no such checkpoint"),
     ("foreign", "lightning_zoff.checkpoint.files.CheckpointError: {ckpt}: cannot be read"),
-])
-def test_refused_before_the_ranks_start_with_the_message_once(tmp_path, mistake, message):
-    ckpt = tmp_path / ("notes.txt" if mistake == "foreign" else "missing.ckpt")
-    if mistake == "foreign":
-        ckpt.write_text("not a checkpoint")
-    args = [str(ckpt)] if mistake in ("missing", "foreign") else []
-    code, lines, events = run_refused(tmp_path, mistake, *args, kernel_cache=tmp_path / "kernels")
+]
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory) -> dict[str, tuple[Path, Path, RefusedRun]]:
+    """Each mistake of REFUSALS' run, all started at once (each is an interpreter importing Lightning, one core's
+    work): its directory, the checkpoint it was given and the run."""
+    runs = {}
+    for mistake, _ in REFUSALS:
+        tmp_path = tmp_path_factory.mktemp(mistake)
+        ckpt = tmp_path / ("notes.txt" if mistake == "foreign" else "missing.ckpt")
+        if mistake == "foreign":
+            ckpt.write_text("not a checkpoint")
+        args = [str(ckpt)] if mistake in ("missing", "foreign") else []
+        runs[mistake] = tmp_path, ckpt, RefusedRun(tmp_path, mistake, *args, kernel_cache=tmp_path / "kernels")
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mistake", "message"), REFUSALS)
+def test_refused_before_the_ranks_start_with_the_message_once(refusals, mistake, message):
+    tmp_path, ckpt, run = refusals[mistake]
+    code, lines, events = run.wait()
     message = message.format(ckpt=ckpt)
     output = "\n".join(lines)
     assert code == 1
@@ -180,16 +206,30 @@ def checkpoint_of_another_model(tmp_path: Path) -> Path:
     return tmp_path / "other" / "last.ckpt"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("mistake", "message"), [
+RANK_ERRORS = [
     # every rank finds it when it compares the checkpoint with its model
     ("other", r"(\[rank[01]\]: )lightning_zoff\.checkpoint\.files\.CheckpointError: .*/meta\.pt: written for another"),
     # rank 1 alone: rank 0 then loses it in a collective, an error of its own that follows from rank 1's
     ("rank1", r"(\[rank1\]: )ValueError: rank 1 cannot go on"),
-])
-def test_an_error_in_the_ranks_prints_once_with_the_traceback_of_one_rank(tmp_path, mistake, message):
-    ckpt = [str(checkpoint_of_another_model(tmp_path))] if mistake == "other" else []
-    code, lines, events = run_refused(tmp_path, mistake, *ckpt)
+]
+
+
+@pytest.fixture(scope="module")
+def rank_errors(tmp_path_factory) -> dict[str, RefusedRun]:
+    """Each mistake of RANK_ERRORS' run, both started at once, each with a port of its own (a run is rank 0's
+    interpreter, then rank 1's: one core's work)."""
+    runs = {}
+    for (mistake, _), port in zip(RANK_ERRORS, free_ports(len(RANK_ERRORS)), strict=True):
+        tmp_path = tmp_path_factory.mktemp(mistake)
+        ckpt = [str(checkpoint_of_another_model(tmp_path))] if mistake == "other" else []
+        runs[mistake] = RefusedRun(tmp_path, mistake, *ckpt, port=port)
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mistake", "message"), RANK_ERRORS)
+def test_an_error_in_the_ranks_prints_once_with_the_traceback_of_one_rank(rank_errors, mistake, message):
+    code, lines, events = rank_errors[mistake].wait()
     output = "\n".join(lines)
     assert code != 0
     assert "Initializing distributed: GLOBAL_RANK: 1" in output  # the ranks started
