@@ -28,9 +28,11 @@ def test_a_retry_is_the_released_burst_and_the_allocation_after_it():
     assert len(causes) == 2
     first = causes[0]
     assert first["freed_gb_by_stream"] == {"7": 6 * MB / 1e9, "0": 6 * MB / 1e9}
-    assert first["alloc_gb"] == 30 * MB / 1e9 and first["alloc_stream"] == "0"
+    assert first["alloc_gb"] == 30 * MB / 1e9
+    assert first["alloc_stream"] == "0"
     assert first["alloc_frames"][1].endswith("modeling_llama.py:42 forward")
-    assert causes[1]["alloc_gb"] is None and causes[1]["alloc_frames"] == []  # no allocation came after it
+    assert causes[1]["alloc_gb"] is None
+    assert causes[1]["alloc_frames"] == []
 
 
 def test_the_peak_counts_the_blocks_alive_together_by_stream_and_site():
