@@ -327,8 +327,9 @@ def main(argv: list[str] | None = None) -> None:
               f" {r['peak_gpu_gb']:>12.1f} {r['host_gb']:>8.1f} {times(r['vs_gpu_only']):>12}"
               f" {times(r['vs_best_exact_deepspeed']):>13}")
     references = {a: best_exact_deepspeed(runs, a) for a in args.accumulate}
-    print("* inexact (not AdamW on every parameter every step in fp32 state: bf16 moments); vs DeepSpeed:"
-          " against the fastest exact DeepSpeed run at the same accumulation: "
+    inexact = any(not r["exact"] for r in runs)  # the legend of a "*" only where a label has one
+    print(("* inexact (not AdamW on every parameter every step in fp32 state: bf16 moments); " if inexact else "")
+          + "vs DeepSpeed: against the fastest exact DeepSpeed run at the same accumulation: "
           + (", ".join(f"acc {a}: {r['name']}" for a, r in references.items() if r) or "none ran"))
     write_result(record, "bench", out)
     print(f"wrote {out}")
