@@ -4,6 +4,7 @@ name."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import sys
 import textwrap
@@ -66,9 +67,18 @@ def test_the_pss_of_a_forked_tree_counts_the_shared_pages_once():
 
 def test_the_sampler_of_this_process_sees_an_allocation_in_the_block():
     with harness.RssSampler(interval_s=0.005, tree=False) as rss:
-        held = b"1" * (100 * MB)
-        time.sleep(0.2)  # the sampler's thread runs while this one sleeps
-        del held
+        # pages of a mapping of its own, touched: resident now, whatever the C heap of this process (which has run
+        # many tests) holds already. The block once saw no growth at all with `b"1" * (100 * MB)` and a 0.2 s sleep
+        # (CI at b8bd2ff): either a malloc from pages resident before it, or a sampler thread not run in time
+        held = mmap.mmap(-1, 100 * MB)
+        for offset in range(0, 100 * MB, mmap.PAGESIZE):
+            held[offset] = 1
+        # the sampler's thread runs while this one sleeps: held until it has sampled a few times, at most 10 s
+        samples_before = rss.samples
+        deadline = time.monotonic() + 10
+        while rss.samples < samples_before + 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        held.close()
     assert rss.peak - rss.before > 90 * MB
     assert rss.after < rss.peak
     assert rss.seconds > 0

@@ -90,6 +90,7 @@ class RssSampler:
         self.peak_pss, self.pss_read_s = 0, 0.0
         self.peak_by_pid: dict[int, int] = {}
         self.seconds = 0.0
+        self.samples = 0  # taken so far
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._sample_until_stopped, name="harness-rss", daemon=True)]
         if pss_interval_s is not None:
@@ -125,6 +126,7 @@ class RssSampler:
             total += rss
             self.peak_by_pid[member.pid] = max(self.peak_by_pid.get(member.pid, 0), rss)
         self.peak = max(self.peak, total)
+        self.samples += 1
         return total
 
     def _sample_until_stopped(self) -> None:
