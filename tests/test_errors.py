@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -154,6 +155,12 @@ class RefusedRun:
         events = self.trace.read_text().splitlines() if self.trace.exists() else []
         return code, (self.stdout.read_text() + self.stderr.read_text()).rstrip().splitlines(), events
 
+    def end(self) -> None:
+        """Kill and reap the run if no test waited for it (one deselected), so no process outlives the module."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
 
 REFUSALS = [
     ("manual", "ValueError: strategy='zoff' supports automatic optimization only"),
@@ -165,7 +172,7 @@ REFUSALS = [
 
 
 @pytest.fixture(scope="module")
-def refusals(tmp_path_factory) -> dict[str, tuple[Path, Path, RefusedRun]]:
+def refusals(tmp_path_factory) -> Iterator[dict[str, tuple[Path, Path, RefusedRun]]]:
     """Each mistake of REFUSALS' run, all started at once (each is an interpreter importing Lightning, one core's
     work): its directory, the checkpoint it was given and the run."""
     runs = {}
@@ -176,7 +183,9 @@ def refusals(tmp_path_factory) -> dict[str, tuple[Path, Path, RefusedRun]]:
             ckpt.write_text("not a checkpoint")
         args = [str(ckpt)] if mistake in ("missing", "foreign") else []
         runs[mistake] = tmp_path, ckpt, RefusedRun(tmp_path, mistake, *args, kernel_cache=tmp_path / "kernels")
-    return runs
+    yield runs
+    for _, _, run in runs.values():
+        run.end()
 
 
 @pytest.mark.slow
@@ -215,7 +224,7 @@ RANK_ERRORS = [
 
 
 @pytest.fixture(scope="module")
-def rank_errors(tmp_path_factory) -> dict[str, RefusedRun]:
+def rank_errors(tmp_path_factory) -> Iterator[dict[str, RefusedRun]]:
     """Each mistake of RANK_ERRORS' run, both started at once, each with a port of its own (a run is rank 0's
     interpreter, then rank 1's: one core's work)."""
     runs = {}
@@ -223,7 +232,9 @@ def rank_errors(tmp_path_factory) -> dict[str, RefusedRun]:
         tmp_path = tmp_path_factory.mktemp(mistake)
         ckpt = [str(checkpoint_of_another_model(tmp_path))] if mistake == "other" else []
         runs[mistake] = RefusedRun(tmp_path, mistake, *ckpt, port=port)
-    return runs
+    yield runs
+    for run in runs.values():
+        run.end()
 
 
 @pytest.mark.slow
