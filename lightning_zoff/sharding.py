@@ -71,8 +71,7 @@ def shard_model(
     policy = inputs_in(param_dtype, mesh.device_type)
     masters: dict[str, torch.Tensor] = {}
     for unit in units:  # inner units first: a unit's own parameters are those no earlier unit took
-        for module in unit.modules:
-            materialize(module, init_fn)  # the inner units are real already; this takes what is left
+        materialize(model, init_fn, under=unit.modules)  # the inner units are real already; this takes what is left
         with torch.no_grad():  # looked up again: materialising replaced the parameter objects
             for name, p in owned_params(model, unit, masters):
                 masters[name] = local_chunk(p.detach(), world_size, rank).to(torch.float32, copy=True)
@@ -209,14 +208,17 @@ def _hf_owners(root: nn.Module) -> dict[nn.Module, nn.Module]:
     return owners
 
 
-def materialize(root: nn.Module, init_fn: ParamInitFn) -> None:
-    """Give every meta-device parameter and buffer under `root` memory on the CPU (in its own dtype) and its initial
-    values: `init_fn(module)` for each module holding one directly, in module order.
+def materialize(root: nn.Module, init_fn: ParamInitFn, under: Sequence[nn.Module] | None = None) -> None:
+    """Give every meta-device parameter and buffer under `root` (or only under the modules `under`, a unit's: all of
+    them at once, as they may share a parameter) memory on the CPU (in its own dtype) and its initial values:
+    `init_fn(module)` for each module holding one directly, in module order.
 
     A parameter held by several modules (tied weights) becomes one new parameter in all of them. Floating-point
     memory starts as NaN, so a tensor that `init_fn` did not write is named instead of training from garbage.
     """
-    modules = [m for m in root.modules() if any(t.is_meta for t in _direct_tensors(m))]
+    inside = None if under is None else {id(m) for top in under for m in top.modules()}
+    modules = [m for m in root.modules() if (inside is None or id(m) in inside)
+               and any(t.is_meta for t in _direct_tensors(m))]
     if not modules:
         return
     replaced: dict[int, torch.Tensor] = {}

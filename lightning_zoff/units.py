@@ -7,6 +7,11 @@
   has a forward of its own (FSDP2 gathers a unit's parameters in its forward hooks). A container without one
   (`nn.ModuleDict`, a `nn.ModuleList` of different modules) is walked into, never a unit: nanoGPT's and LitGPT's
   `transformer = nn.ModuleDict(wte=..., h=..., ln_f=...)` gives the units `transformer.wte` and `transformer.ln_f`.
+- **Hugging Face models** (`transformers.PreTrainedModel`) that hold no parameter themselves are walked into too: their
+  code calls the embedding, the final norm and the LM head as modules, so each becomes a unit of its own instead of
+  one unit of them all. That unit would stay gathered from the first forward to the end of backward, its reduce
+  would come last (2.1 GB for Llama-3-8B's embedding and head, with its gradients beside it), and the head's update
+  would wait for the embedding's gradient.
 - **Tied parameters**: modules of the rest that share a parameter (nanoGPT's `transformer.wte` and `lm_head`) are one
   unit, sharded as one FSDP2 group (`fully_shard([wte, lm_head])`): gathered from the first one's forward until the
   last one's has run, reduced once, at the end of backward, with both modules' gradients in it.
@@ -115,7 +120,7 @@ def _rest(model: nn.Module, in_blocks: set[int]) -> tuple[list[nn.Module], list[
         for child in module.children():
             if not outside_blocks(child, recurse=True):
                 continue
-            if _has_forward(child):
+            if _has_forward(child) and not _walked_into(child):
                 units.append(child)
             else:
                 walk(child)
@@ -126,6 +131,13 @@ def _rest(model: nn.Module, in_blocks: set[int]) -> tuple[list[nn.Module], list[
 
 def _has_forward(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward
+
+
+def _walked_into(module: nn.Module) -> bool:
+    """A Hugging Face model that holds no parameter itself: its children are units (see the module's docstring)."""
+    hf = any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+             for c in type(module).__mro__)
+    return hf and not any(True for _ in module.parameters(recurse=False))
 
 
 def _tied_groups(modules: list[nn.Module], holders: dict[int, list[nn.Module]]) -> list[list[nn.Module]]:

@@ -125,7 +125,9 @@ class SampleInRanks(pl.Callback):
 
     def on_train_end(self, trainer, module):
         module.eval()
-        gathers, units = Gathers(module), sum(isinstance(m, FSDPModule) for m in module.modules())
+        # a group of tied modules (the embedding and the head) is one unit with one state, gathered once
+        gathers, units = Gathers(module), len({id(m._get_fsdp_state()) for m in module.modules()
+                                               if isinstance(m, FSDPModule)})
         result = {"units": units}
         for kind, draw in DRAWS.items():
             torch.manual_seed(3)

@@ -183,9 +183,12 @@ def test_meta_materialisation_checks_the_tensors_init_left_in_place():
 def test_tied_parameters_stay_in_one_unit():
     tied = HFCausalLM("qwen3_tiny")
     layer = type(tied.model.model.layers[0])
-    # asked for the embedding as a unit of its own: it shares its weight with the head, so it stays in the root
-    units = [unit.name for unit in plan_units(tied, {layer, nn.Embedding})]
-    assert units == ["model.model.layers.0", "model.model.layers.1", "model"]
+    # asked for the embedding as a block of its own: it shares its weight with the head, so it is no block; the
+    # Hugging Face models are walked into, and the embedding and the head are one unit, the final norm another
+    units = plan_units(tied, {layer, nn.Embedding})
+    assert [unit.name for unit in units] == ["model.model.layers.0", "model.model.layers.1",
+                                             "model.model.embed_tokens+model.lm_head", "model.model.norm"]
+    assert units[2].modules == (tied.model.model.embed_tokens, tied.model.lm_head)
     untied = HFCausalLM("qwen3_tiny", config={"tie_word_embeddings": False})
     assert "model.model.embed_tokens" in [unit.name for unit in plan_units(untied, {layer, nn.Embedding})]
 
