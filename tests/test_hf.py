@@ -23,7 +23,7 @@ from lightning_zoff.examples.corpus import CorpusDataModule
 from lightning_zoff.examples.gpt import GPTModule, token_bytes
 from lightning_zoff.examples.hf import PRESETS, HFCausalLM, hf_config
 from lightning_zoff.sharding import default_param_init, materialize
-from lightning_zoff.units import plan_units
+from lightning_zoff.units import forward_order, plan_units
 
 TINY = ["llama_tiny", "qwen3_tiny", "opt_tiny"]
 EMBED, HEAD = "model.model.embed_tokens.weight", "model.lm_head.weight"  # Llama and Qwen3 names
@@ -178,6 +178,22 @@ def test_meta_materialisation_checks_the_tensors_init_left_in_place():
         counter = Counter()
     materialize(counter, lambda module: (module.reset_parameters(), module.seen.zero_()))
     assert counter.seen.item() == 0
+
+
+def test_the_embedding_norm_and_head_of_a_hugging_face_model_are_units_of_their_own():
+    module = HFCausalLM("llama_tiny", config={"tie_word_embeddings": False})
+    units = plan_units(module)
+    hf = module.model
+    assert [(unit.name, unit.modules) for unit in units] == [
+        ("model.model.layers.0", (hf.model.layers[0],)), ("model.model.layers.1", (hf.model.layers[1],)),
+        ("model.model.embed_tokens", (hf.model.embed_tokens,)), ("model.model.norm", (hf.model.norm,)),
+        ("model.lm_head", (hf.lm_head,))]
+    assert forward_order(module, units) == ["model.model.embed_tokens", "model.model.layers.0", "model.model.layers.1",
+                                            "model.model.norm", "model.lm_head"]
+    # a transformers model holding a parameter itself is a unit, as any module with a forward: only its forward
+    # could gather that parameter
+    hf.register_parameter("scale", nn.Parameter(torch.ones(2)))
+    assert [unit.name for unit in plan_units(module)] == ["model.model.layers.0", "model.model.layers.1", "model"]
 
 
 def test_tied_parameters_stay_in_one_unit():
