@@ -7,7 +7,7 @@
   has a forward of its own (FSDP2 gathers a unit's parameters in its forward hooks). A container without one
   (`nn.ModuleDict`, a `nn.ModuleList` of different modules) is walked into, never a unit: nanoGPT's and LitGPT's
   `transformer = nn.ModuleDict(wte=..., h=..., ln_f=...)` gives the units `transformer.wte` and `transformer.ln_f`.
-- **Hugging Face models** (`transformers.PreTrainedModel`) that hold no parameter themselves are walked into too: their
+- **Hugging Face models** of transformers' own library that hold no parameter themselves are walked into too: their
   code calls the embedding, the final norm and the LM head as modules, so each becomes a unit of its own instead of
   one unit of them all. That unit would stay gathered from the first forward to the end of backward, its reduce
   would come last (2.1 GB for Llama-3-8B's embedding and head, with its gradients beside it), and the head's update
@@ -134,10 +134,11 @@ def _has_forward(module: nn.Module) -> bool:
 
 
 def _walked_into(module: nn.Module) -> bool:
-    """A Hugging Face model that holds no parameter itself: its children are units (see the module's docstring)."""
-    hf = any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
-             for c in type(module).__mro__)
-    return hf and not any(True for _ in module.parameters(recurse=False))
+    """A model of transformers' own library that holds no parameter itself: its children are units (see the module's
+    docstring). Not remote code (`trust_remote_code`): some of it reads a child's weight in its own forward (MPT's
+    tied output), which only a unit around both can gather."""
+    library = type(module).__module__.startswith("transformers.models.")
+    return library and not any(True for _ in module.parameters(recurse=False))
 
 
 def _tied_groups(modules: list[nn.Module], holders: dict[int, list[nn.Module]]) -> list[list[nn.Module]]:
