@@ -16,6 +16,7 @@ from torch import nn
 
 import helpers.trainer
 from helpers.compare import rel_err
+from helpers.nanogpt import NanoGPT
 from helpers.resume_run import SaveBatch
 from helpers.tiny_module import read_probe
 from lightning_zoff import ZoffStrategy
@@ -109,6 +110,17 @@ def test_meta_built_gpt_gets_the_gpts_init():
         plain = GPTModule(**kwargs)
     materialize(plain, lambda module: module.reset_parameters())
     assert plain.model.blocks[0].mlp.fc.weight.std().item() == pytest.approx(1 / math.sqrt(3 * 64), rel=0.1)
+
+
+def test_a_tied_group_built_on_meta_is_materialised_as_one_parameter():
+    with torch.device("meta"):
+        model = NanoGPT(tie=True)
+    wte, head = model.transformer.wte, model.lm_head
+    materialize(model, lambda module: module.reset_parameters(), under=(wte, head))  # one unit: both at once
+    assert head.weight is wte.weight
+    assert not head.weight.is_meta
+    assert not head.weight.isnan().any()
+    assert model.transformer.wpe.weight.is_meta  # outside the unit: left for its own unit
 
 
 class Scale(nn.Module):
