@@ -271,10 +271,18 @@ def test_generate_is_greedy_search_at_top_k_1_and_sample_gives_bytes():
 # -- training on 2 ranks ------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_llama_trains_on_two_ranks(tmp_path):
-    _, module = fit(tmp_path, ZoffStrategy(start_method="fork"), Recorded("llama_tiny", lr=3e-3), max_steps=10)
-    losses = read_probe(tmp_path)["losses"]
+def test_llama_trains_on_two_ranks_like_ddp(tmp_path):
+    # untied: the embedding, the final norm and the head are units of their own beside the layers
+    ref_out, zoff_out = tmp_path / "ddp", tmp_path / "zoff"
+    def built():
+        torch.manual_seed(0)  # the same initial weights for both
+        return Recorded("llama_tiny", lr=3e-3)
+
+    fit(ref_out, DDPStrategy(start_method="fork"), built(), max_steps=10)
+    _, module = fit(zoff_out, ZoffStrategy(start_method="fork"), built(), max_steps=10)
+    losses = read_probe(zoff_out)["losses"]
     assert len(losses) == 20
+    assert rel_err(losses, read_probe(ref_out)["losses"]) < 1e-5
     assert abs(losses[0] - math.log(256)) < 0.3  # near-uniform predictions at the start
     assert sum(losses[-4:]) / 4 < losses[0] - 1.0
     assert not module.model.config.tie_word_embeddings
