@@ -83,6 +83,17 @@ for stage in "$@"; do
           ('gpu_alloc_retries_per_step', 'gpu_reserved_by_stream', 'gpu_alloc_retry_causes', 'gpu_step_peak')}
           | {'plan_step_gb': (r.get('memory') or {}).get('accelerator_step', 0) / 1e9}, indent=1)[:9000])" \
           "$OUT/alloc_retries_llama3_8b_b1.json" | tee -a "$OUT/alloc_retries.txt" ;;
+    alloc_retries_gpt13b)  # issue 46 items 1 and 3 on find_largest's model: the 13B GPT at batch 4, accumulate 1 and
+      # 4 (14 and 82 retries a step at 8ffd96f), 6 steps each, the retries named and the steps' own peak by site
+      for acc in 1 4; do
+        ZOFF_BENCH_ALLOC_HISTORY=1 timeout 270 python3 scripts/bench/bench.py --model gpt13b --batch 4 --accumulate $acc \
+            --steps 6 --warmup 2 --runs zoff --run-timeout-s 260 --out "$OUT/alloc_retries_gpt13b_acc$acc.json" 2>&1 \
+            | grep -v "^INFO" | tail -3 | tee -a "$OUT/alloc_retries_gpt13b.txt"
+        python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['runs'][0]; print(json.dumps({k: r.get(k) for k in
+            ('peak_gpu_gb', 'peak_gpu_reserved_gb', 'gpu_alloc_retries_per_step', 'gpu_reserved_by_stream', 'gpu_step_peak')}
+            | {k + '_gb': v / 1e9 for k, v in (r.get('memory') or {}).items() if k.startswith('accelerator_') and v > 1e6},
+            indent=1)[:4000])" "$OUT/alloc_retries_gpt13b_acc$acc.json" | tee -a "$OUT/alloc_retries_gpt13b.txt"
+      done ;;
     house_gpt1b)  # issue 45: gpt1b batch 8 in another tree (carried as _baseline) and in this one, one call: the
       # refactor moved no time; GPU-only training in this tree beside them
       [ -d _baseline/lightning_zoff ] || { echo "house_gpt1b: carry another source tree as _baseline"; exit 1; }
