@@ -48,8 +48,8 @@ class ZoffConfig:
                 " `\"none\"`")
     wrap_policy: ModuleClasses | None = option(
         None, "module classes that become FSDP2 units; default: the repeated children of every `nn.ModuleList`; what"
-              " they leave goes to the modules with a forward that hold it (containers walked into, tied modules one"
-              " unit)")
+              " they leave goes to the modules with a forward that hold it (containers and transformers, LitGPT or"
+              " example models walked into, tied modules one unit)")
     activation_checkpointing_policy: ModuleClasses | Literal["auto"] | int = option(
         "auto", "module classes recomputed in backward instead of keeping their activations; `\"auto\"`: all blocks"
                 " when the GPU cannot hold all the optimizer state beside the model and the traced step, else the"

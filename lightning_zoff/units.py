@@ -7,11 +7,11 @@
   has a forward of its own (FSDP2 gathers a unit's parameters in its forward hooks). A container without one
   (`nn.ModuleDict`, a `nn.ModuleList` of different modules) is walked into, never a unit: nanoGPT's and LitGPT's
   `transformer = nn.ModuleDict(wte=..., h=..., ln_f=...)` gives the units `transformer.wte` and `transformer.ln_f`.
-- **Hugging Face models** of transformers' own library that hold no parameter themselves are walked into too: their
-  code calls the embedding, the final norm and the LM head as modules, so each becomes a unit of its own instead of
-  one unit of them all. That unit would stay gathered from the first forward to the end of backward, its reduce
-  would come last (2.1 GB for Llama-3-8B's embedding and head, with its gradients beside it), and the head's update
-  would wait for the embedding's gradient.
+- **Models of known libraries** (transformers' own, LitGPT's, this package's example GPT) that hold no parameter
+  themselves are walked into too: their code calls the embedding, the final norm and the LM head as modules, so each
+  becomes a unit of its own instead of one unit of them all. That unit would stay gathered from the first forward to
+  the end of backward, its reduce would come last (2.1 GB for Llama-3-8B's embedding and head, with its gradients
+  beside it), and the head's update would wait for the embedding's gradient.
 - **Tied parameters**: modules of the rest that share a parameter (nanoGPT's `transformer.wte` and `lm_head`) are one
   unit, sharded as one FSDP2 group (`fully_shard([wte, lm_head])`): gathered from the first one's forward until the
   last one's has run, reduced once, at the end of backward, with both modules' gradients in it.
@@ -133,12 +133,16 @@ def _has_forward(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward
 
 
+# Libraries whose models call their embedding, norm and head as modules: transformers' own (not remote code, which may
+# read a child's weight in its own forward: MPT's tied output, which only a unit around both can gather), LitGPT's, and
+# this package's example GPT
+CALL_CHILDREN_AS_MODULES = ("transformers.models.", "litgpt.", "lightning_zoff.examples.")
+
+
 def _walked_into(module: nn.Module) -> bool:
-    """A model of transformers' own library that holds no parameter itself: its children are units (see the module's
-    docstring). Not remote code (`trust_remote_code`): some of it reads a child's weight in its own forward (MPT's
-    tied output), which only a unit around both can gather."""
-    library = type(module).__module__.startswith("transformers.models.")
-    return library and not any(True for _ in module.parameters(recurse=False))
+    """A model of those libraries that holds no parameter itself: its children are units (the module's docstring)."""
+    known = type(module).__module__.startswith(CALL_CHILDREN_AS_MODULES)
+    return known and not any(True for _ in module.parameters(recurse=False))
 
 
 def _tied_groups(modules: list[nn.Module], holders: dict[int, list[nn.Module]]) -> list[list[nn.Module]]:

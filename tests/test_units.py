@@ -9,6 +9,7 @@ from lightning.pytorch import LightningModule
 from torch import nn
 
 from helpers.nanogpt import NanoGPT
+from lightning_zoff.examples.gpt import GPTModule
 from lightning_zoff.units import ROOT, forward_order, plan_units
 
 
@@ -111,3 +112,48 @@ def test_wrap_policy_names_the_blocks():
     # what the blocks leave: each block (it has a forward) is a unit of the rest
     assert [u.name for u in units if not u.is_block] == [
         "transformer.wte", "transformer.wpe", "transformer.h.0", "transformer.h.1", "transformer.h.2", "lm_head"]
+
+
+class HoldsLitGPT(LightningModule):
+    """LitGPT's GPT held by a LightningModule, as LitGPT's Lightning examples write it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from litgpt.config import Config
+        from litgpt.model import GPT
+
+        self.model = GPT(Config(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, padded_vocab_size=64))
+
+
+def test_the_models_of_known_libraries_held_by_a_lightning_module_are_walked_into():
+    # a model with a forward is one unit of what the blocks leave, unless its library calls its children as modules
+    # (transformers': test_hf.py): then the embedding, final norm and head are units of their own
+    gpt = GPTModule(block_size=16, n_layer=2, n_head=2, n_embd=32)
+    assert names(plan_units(gpt)) == ["model.blocks.0", "model.blocks.1", "model.tok_emb", "model.pos_emb",
+                                      "model.ln_f", "model.lm_head"]
+    pytest.importorskip("litgpt")
+    assert names(plan_units(HoldsLitGPT())) == ["model.transformer.h.0", "model.transformer.h.1", "model.lm_head",
+                                                "model.transformer.wte", "model.transformer.ln_f"]
+
+
+class Wrapper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(8, 4)
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return h @ self.embed.weight.T  # the embedding's weight read outside its own forward
+
+
+class HoldsWrapper(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Wrapper()
+
+
+def test_a_model_of_unknown_code_stays_one_unit_of_what_the_blocks_leave():
+    assert names(plan_units(HoldsWrapper())) == ["net.blocks.0", "net.blocks.1", "net"]

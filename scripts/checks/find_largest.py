@@ -34,7 +34,7 @@ import torch
 from lightning_zoff.examples.gpt import GPTModule
 from lightning_zoff.placement import Machine, PlanDoesNotFit, StateOptions, StepProbe, UnitShape, plan_memory
 from lightning_zoff.placement.plan import StepMemory
-from lightning_zoff.placement.rank import gathered_bytes
+from lightning_zoff.placement.rank import gathered_bytes, unit_shapes_before_sharding
 from lightning_zoff.placement.step_trace import trace_step
 from lightning_zoff.sharding import block_classes, checkpoint_activations
 from lightning_zoff.units import forward_order, plan_units
@@ -70,6 +70,17 @@ def traced_step(cfg: dict, layers: int, batch: int, device: torch.device) -> Ste
     return StepMemory(activations, gathered, f"a batch of {batch} x {seq}", samples=batch)
 
 
+def planned_units(cfg: dict, layers: int) -> tuple[list[UnitShape], int]:
+    """The GPT's units at `layers` as setup plans them (one rank, 16-bit shards), in forward order, and the bytes of
+    its shards: from a model on the meta device."""
+    with torch.device("meta"):
+        module = GPTModule(**{**cfg, "n_layer": layers})
+    units = plan_units(module)
+    shapes, model_bytes = unit_shapes_before_sharding(module, units, 1, 2)
+    order = {name: i for i, name in enumerate(forward_order(module, units))}
+    return sorted(shapes, key=lambda u: order[u.name]), model_bytes
+
+
 def predict_layers(cfg: dict, batch: int, moment_bytes: int, host_available: int, gpu_total: int,
                    device: torch.device) -> int:
     """The most layers whose optimizer state and step the memory plan fits (0 if none): the plan zoff makes at setup,
@@ -77,15 +88,11 @@ def predict_layers(cfg: dict, batch: int, moment_bytes: int, host_available: int
     # the defaults' options: the GPU's share of the host's updates takes its slots there
     options = StateOptions(param_bytes=2, moment_bytes=moment_bytes, moments=2, sum_bytes=0, update_share="auto")
     machine = Machine(host_available, gpu_total)
-    d = cfg["n_embd"]
-    root = gpt_params(cfg, 0)
     two, four = traced_step(cfg, 2, batch, device), traced_step(cfg, 4, batch, device)
     per_layer = (four.activations - two.activations) / 2
     best = 0
     for layers in range(1, 400):
-        shapes = [UnitShape("model", root, root, True)]
-        shapes += [UnitShape(f"model.blocks.{i}", 12 * d * d + 2 * d, 12 * d * d + 2 * d, True) for i in range(layers)]
-        model_bytes = 2 * gpt_params(cfg, layers)
+        shapes, model_bytes = planned_units(cfg, layers)
         step = replace(four, activations=int(four.activations + (layers - 4) * per_layer))
         try:  # "auto" at setup: the host holds all it can, the GPU the rest beside the step
             plan_memory(shapes, options, machine, "auto", model_bytes=model_bytes, masters_bytes=2 * model_bytes,
