@@ -142,7 +142,7 @@ CALL_CHILDREN_AS_MODULES = ("transformers.models.", "litgpt.", "lightning_zoff.e
 def _walked_into(module: nn.Module) -> bool:
     """A model of those libraries that holds no parameter itself: its children are units (the module's docstring)."""
     known = type(module).__module__.startswith(CALL_CHILDREN_AS_MODULES)
-    return known and not any(True for _ in module.parameters(recurse=False))
+    return known and next(module.parameters(recurse=False), None) is None
 
 
 def _tied_groups(modules: list[nn.Module], holders: dict[int, list[nn.Module]]) -> list[list[nn.Module]]:

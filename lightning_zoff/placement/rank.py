@@ -78,7 +78,7 @@ class RankMemory:
         param_bytes = param_dtype.itemsize
         shapes, model_bytes = unit_shapes_before_sharding(module, units, self.group.world_size, param_bytes)
         forward = forward_order(module, units)
-        order = {name: i for i, name in enumerate(forward)}
+        shapes = in_forward_order(shapes, forward)
         # Adam's two moments: the most any supported optimizer keeps
         options = StateOptions.of(config, param_bytes=param_bytes, moments=2,
                                   sums_windows=accumulate_grad_batches > 1)
@@ -86,8 +86,7 @@ class RankMemory:
         traced = probe if machine.accelerator_capacity is not None else None  # a CPU holds any step
 
         def plan_with(step: StepMemory | None) -> MemoryPlan:
-            return plan_memory(sorted(shapes, key=lambda u: order.get(u.name, len(order))), options, machine,
-                               config.accelerator_state, model_bytes=model_bytes,
+            return plan_memory(shapes, options, machine, config.accelerator_state, model_bytes=model_bytes,
                                masters_bytes=model_bytes * 4 // param_bytes, step=step)
 
         step = self.step = measure_step(module, traced, self.group.device, param_dtype, gathered)
@@ -300,6 +299,12 @@ def unit_shapes_before_sharding(model: nn.Module, units: list[Unit], world_size:
             reduced += padded if p.requires_grad else 0
         shapes.append(UnitShape(unit.name, reduced, reduced, True))
     return shapes, model_bytes
+
+
+def in_forward_order(shapes: list[UnitShape], forward: Sequence[str]) -> list[UnitShape]:
+    """`shapes` in the order a forward enters their units (`units.forward_order`), any it does not name last."""
+    order = {name: i for i, name in enumerate(forward)}
+    return sorted(shapes, key=lambda u: order.get(u.name, len(order)))
 
 
 def gathered_bytes(model: nn.Module, units: list[Unit], param_bytes: int, order: Sequence[str]) -> int:

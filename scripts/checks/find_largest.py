@@ -34,7 +34,7 @@ import torch
 from lightning_zoff.examples.gpt import GPTModule
 from lightning_zoff.placement import Machine, PlanDoesNotFit, StateOptions, StepProbe, UnitShape, plan_memory
 from lightning_zoff.placement.plan import StepMemory
-from lightning_zoff.placement.rank import gathered_bytes, unit_shapes_before_sharding
+from lightning_zoff.placement.rank import gathered_bytes, in_forward_order, unit_shapes_before_sharding
 from lightning_zoff.placement.step_trace import trace_step
 from lightning_zoff.sharding import block_classes, checkpoint_activations
 from lightning_zoff.units import forward_order, plan_units
@@ -77,8 +77,7 @@ def planned_units(cfg: dict, layers: int) -> tuple[list[UnitShape], int]:
         module = GPTModule(**{**cfg, "n_layer": layers})
     units = plan_units(module)
     shapes, model_bytes = unit_shapes_before_sharding(module, units, 1, 2)
-    order = {name: i for i, name in enumerate(forward_order(module, units))}
-    return sorted(shapes, key=lambda u: order[u.name]), model_bytes
+    return in_forward_order(shapes, forward_order(module, units)), model_bytes
 
 
 def predict_layers(cfg: dict, batch: int, moment_bytes: int, host_available: int, gpu_total: int,
