@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from typing import cast
 
 DEEPSPEED_RUNS = ("deepspeed_zero3_offload", "deepspeed_zero2_offload", "deepspeed_zero3_offload_ratio",
                   "deepspeed_zero2_zenflow")
@@ -82,7 +83,8 @@ def build_strategy(name: str, adamw: dict, accumulate: int, ratio: float | None 
         raise ValueError(refusal)
     strategy = DeepSpeedStrategy(stage=ZERO_STAGE[name], offload_optimizer=True, offload_optimizer_device="cpu",
                                  pin_memory=True)
-    merge(strategy.config, config_overrides(name, adamw, ratio))
+    # __init__ loads a config given (or named in the environment) or builds one from the arguments: never None
+    merge(cast(dict, strategy.config), config_overrides(name, adamw, ratio))
     return strategy
 
 

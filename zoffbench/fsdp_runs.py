@@ -14,9 +14,17 @@ only when a run is built.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from typing_extensions import override
+
+if TYPE_CHECKING:  # types only: Lightning and torch are imported when a run is built
+    from lightning.pytorch import LightningModule as _MixedInto
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FullyShardedDataParallel
+else:
+    _MixedInto = object  # a LightningModule to the checker; at run time with_mixin puts the mixin before the family
 
 FSDP2_RUN, FSDP_RUN = "fsdp2_cpu_offload", "fsdp_cpu_offload"
 
@@ -33,8 +41,10 @@ def host_params_strategy() -> Any:
     return HostParamsModelParallelStrategy()
 
 
-class ShardedByFSDP2WithCPUOffload:
+class ShardedByFSDP2WithCPUOffload(_MixedInto):
     """Mixed into a run's LightningModule class: FSDP2 over each block and the root, with its own CPUOffloadPolicy."""
+
+    model: nn.Module  # the family's model
 
     @override
     def configure_model(self) -> None:
@@ -45,8 +55,9 @@ class ShardedByFSDP2WithCPUOffload:
 
         # pinned host shards on a GPU (the default); on CPU ranks there is no accelerator to pin for (torch refuses)
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-        policy = dict(mesh=self.device_mesh["data_parallel"], offload_policy=offload,
-                      mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        mesh = cast("DeviceMesh", self.device_mesh)["data_parallel"]  # ModelParallelStrategy set it before this hook
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        policy: dict[str, Any] = dict(mesh=mesh, offload_policy=offload, mp_policy=mp_policy)
         for block in repeated_blocks(self.model):
             fully_shard(block, **policy)
         fully_shard(self.model, **policy)
@@ -60,11 +71,12 @@ def fsdp1_strategy(block: type, recompute: bool) -> Any:
                         activation_checkpointing_policy={block} if recompute else None)
 
 
-class ClippedByFSDP:
+class ClippedByFSDP(_MixedInto):
     """Mixed into a run's LightningModule class under FSDPStrategy: clipping by FSDP's own norm."""
 
     @override
     def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: float | None = None,
                                     gradient_clip_algorithm: str | None = None) -> None:
         if gradient_clip_val:
-            self.trainer.model.clip_grad_norm_(gradient_clip_val)
+            # FSDPStrategy wrapped the module: the Trainer's model is the root FSDP unit
+            cast("FullyShardedDataParallel", self.trainer.model).clip_grad_norm_(gradient_clip_val)

@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import psutil
 from typing_extensions import override
@@ -32,6 +32,14 @@ from zoffbench.harness import BenchRun, StepMeasurement, clipped_fraction, parse
 from zoffbench.host_floor import host_floor
 from zoffbench.model_shapes import model_shape
 from zoffbench.recompute import block_class, recompute_blocks
+
+if TYPE_CHECKING:  # for the checker only
+    from lightning.fabric.connector import _PRECISION_INPUT
+    from lightning.pytorch import LightningModule as _MixedInto
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+    from torch import nn
+else:
+    _MixedInto = object  # a LightningModule to the checker; at run time with_mixin puts the mixin before the family
 
 # zoff variants: where the optimizer state lives, the synchronous engine, where the sum of an accumulation window
 # lives, the kernels' threads, bf16 moments
@@ -53,7 +61,7 @@ ZOFF_VARIANTS: dict[str, dict[str, Any]] = {
 # "zoff" trained in a plain Fabric loop (fabric_run.py) instead of the Trainer
 FABRIC_RUN = "zoff_fabric"
 DEFAULT_RUNS = ("gpu_only", "zoff", *DEEPSPEED_RUNS, FSDP2_RUN)
-ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+ADAMW: dict[str, Any] = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
 def is_zoff(name: str) -> bool:
@@ -179,13 +187,14 @@ class RunSpec:
 
     strategy: Callable[[RunSetting], Any]
     module: Callable[[RunSetting, Any], Any]
-    precision: str = "bf16-mixed"
+    precision: _PRECISION_INPUT = "bf16-mixed"
 
 
-class BuiltUnderZeroInit:
+class BuiltUnderZeroInit(_MixedInto):
     """Mixed into a run's LightningModule class: the model built again in `configure_model`, under DeepSpeed's
     zero.Init, so that each parameter is partitioned as it is created."""
 
+    model: nn.Module  # the family's model
     recomputed: type | None = None  # the block class to recompute, set by deepspeed_module
 
     @override
@@ -275,7 +284,7 @@ RUN_SPECS: dict[str, RunSpec] = {
 
 def build_run(name: str, model_name: str, zoff_options: dict, accumulate: int = 1, ratio: float | None = None,
               layers: int | None = None, checkpointing: bool = False,
-              seq: int | None = None) -> tuple[Callable[[Any], Any], Any, str]:
+              seq: int | None = None) -> tuple[Callable[[Any], Any], Any, _PRECISION_INPUT]:
     """(module factory taking the Trainer, strategy, precision) of run `name` (`RUN_SPECS`). With `checkpointing`,
     every run recomputes each block's activations in backward: zoff and Lightning's FSDP by their own option, the
     others by torch's checkpoint wrapper (recompute.py)."""
@@ -371,7 +380,7 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
         phase_source = "callback"
     deepspeed_config = None
     if name in DEEPSPEED_RUNS:  # what DeepSpeed got, Lightning's additions included
-        deepspeed_config = json.loads(json.dumps(trainer.strategy.config, default=str))
+        deepspeed_config = json.loads(json.dumps(cast("DeepSpeedStrategy", trainer.strategy).config, default=str))
     measurement = StepMeasurement(
         step_s_median=step_s, step_s_mean=statistics.fmean(timer.steps[measured]), devices=devices,
         rank=trainer.global_rank,

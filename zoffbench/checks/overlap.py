@@ -16,18 +16,21 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any, cast
 
 from zoffbench.harness import call
 
-MODEL = dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256, lr=3e-3, weight_decay=0.1)
+MODEL: dict[str, Any] = dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256, lr=3e-3, weight_decay=0.1)
 BAD_STEP = 5
 # every unit's state on the host, where the overlap is ("auto" would place this small model's on the GPU); the
 # synchronous run updates every unit on the host, the overlapped ones let the GPU take its measured share ("auto"),
 # and "lent" gives the GPU every host update: all must give the synchronous run's bits
-MODES = {"sync": dict(overlap=False, accelerator_state="none", accelerator_update_share="none"),
-         "overlap": dict(overlap=True, accelerator_state="none"),
-         "overlap_awaited": dict(overlap=True, accelerator_state="none"),
-         "lent": dict(overlap=True, accelerator_state="none", accelerator_update_share=1.0)}
+MODES: dict[str, dict[str, Any]] = {
+    "sync": dict(overlap=False, accelerator_state="none", accelerator_update_share="none"),
+    "overlap": dict(overlap=True, accelerator_state="none"),
+    "overlap_awaited": dict(overlap=True, accelerator_state="none"),
+    "lent": dict(overlap=True, accelerator_state="none", accelerator_update_share=1.0),
+}
 OVERLAPPED = ("overlap", "overlap_awaited", "lent")  # each compared with sync
 
 
@@ -35,9 +38,9 @@ def run_mode(mode: str, steps: int, clip: float, accumulate: int) -> dict:
     import lightning.pytorch as pl
     import torch
 
-    from lightning_zoff import ZoffStrategy
     from lightning_zoff.examples.corpus import CorpusDataModule
     from lightning_zoff.examples.gpt import GPTModule
+    from lightning_zoff.trainer import ZoffStrategy  # the door's module: lightning_zoff's lazy name is Any to mypy
     from zoffbench.recorders import StepRecorder
 
     class Poisoned(GPTModule):
@@ -84,7 +87,8 @@ def run_mode(mode: str, steps: int, clip: float, accumulate: int) -> dict:
     )
     trainer.fit(Poisoned(**MODEL), datamodule=CorpusDataModule(block_size=MODEL["block_size"], batch_size=8,
                                                                max_bytes=2_000_000))
-    engine = trainer.strategy.engine
+    engine = cast(ZoffStrategy, trainer.strategy).engine
+    assert engine is not None  # teardown only detaches it
     engine.wait_idle()
     masters = torch.cat([u.master for u in engine.units])
     return {"losses": record.losses, "outcomes": record.outcomes, "masters": masters,

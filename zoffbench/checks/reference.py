@@ -13,10 +13,14 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 from zoffbench.harness import call, parse_options
 
-MODEL = dict(vocab_size=256, block_size=256, n_layer=6, n_head=8, n_embd=384, lr=1e-3, weight_decay=0.1)
+if TYPE_CHECKING:  # types only: each side imports Lightning and zoff in its own process
+    from lightning_zoff.trainer import ZoffStrategy
+
+MODEL: dict[str, Any] = dict(vocab_size=256, block_size=256, n_layer=6, n_head=8, n_embd=384, lr=1e-3, weight_decay=0.1)
 
 
 def run_side(side: str, steps: int, options: dict | None = None) -> dict:
@@ -34,7 +38,7 @@ def run_side(side: str, steps: int, options: dict | None = None) -> dict:
     data = CorpusDataModule(block_size=MODEL["block_size"], batch_size=16, max_bytes=4_000_000)
     losses = StepRecorder()
     if side == "reference":
-        kwargs = dict(accelerator="cpu", devices=1, strategy=DDPStrategy(), precision="32-true")
+        kwargs: dict[str, Any] = dict(accelerator="cpu", devices=1, strategy=DDPStrategy(), precision="32-true")
     else:
         accel = "gpu" if torch.cuda.is_available() else "cpu"
         kwargs = dict(accelerator=accel, devices=1, strategy=lightning_zoff.ZoffStrategy(**(options or {})),
@@ -46,7 +50,7 @@ def run_side(side: str, steps: int, options: dict | None = None) -> dict:
     result = {"side": side, "device": str(trainer.strategy.root_device), "losses": losses.losses,
               "seconds": time.perf_counter() - start}
     if side == "zoff":
-        result["memory"] = trainer.strategy.memory_report
+        result["memory"] = cast("ZoffStrategy", trainer.strategy).memory_report
         if torch.cuda.is_available():
             result["cuda_peak_allocated"] = torch.cuda.max_memory_allocated()
             result["num_params"] = sum(p.numel() for p in model.parameters())

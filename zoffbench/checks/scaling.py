@@ -14,14 +14,20 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 from zoffbench.harness import call
 
-MODEL = dict(vocab_size=256, block_size=256, n_layer=6, n_head=8, n_embd=512, lr=1e-3, weight_decay=0.1)
+if TYPE_CHECKING:  # types only: each side imports Lightning and zoff in its own process
+    from lightning.fabric.connector import _PRECISION_INPUT
+
+    from lightning_zoff.trainer import ZoffStrategy
+
+MODEL: dict[str, Any] = dict(vocab_size=256, block_size=256, n_layer=6, n_head=8, n_embd=512, lr=1e-3, weight_decay=0.1)
 GLOBAL_BATCH = 16
 
 
-def run_side(devices: int, steps: int, precision: str) -> dict:
+def run_side(devices: int, steps: int, precision: _PRECISION_INPUT) -> dict:
     """One rank's losses (the mean over its own samples), memory report and thread layout."""
     import lightning.pytorch as pl
 
@@ -37,11 +43,13 @@ def run_side(devices: int, steps: int, precision: str) -> dict:
                          gradient_clip_val=1.0, callbacks=[record], logger=False, enable_checkpointing=False,
                          limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(GPTModule(**MODEL), datamodule=data)
-    return {"losses": record.losses, "memory": trainer.strategy.memory_report,
-            "layout": trainer.strategy._cpu_layout.describe(), "device": str(trainer.strategy.root_device)}
+    zoff = cast("ZoffStrategy", trainer.strategy)  # strategy="zoff"
+    assert zoff._cpu_layout is not None  # taken when the rank started, kept after fit
+    return {"losses": record.losses, "memory": zoff.memory_report,
+            "layout": zoff._cpu_layout.describe(), "device": str(zoff.root_device)}
 
 
-def compare(devices: int, steps: int, precision: str = "bf16-mixed") -> dict:
+def compare(devices: int, steps: int, precision: _PRECISION_INPUT = "bf16-mixed") -> dict:
     """The mean loss of `devices` ranks next to one rank's, per step, and every rank's report."""
     many = call(run_side, devices=devices, steps=steps, precision=precision)
     one, = call(run_side, devices=1, steps=steps, precision=precision)
