@@ -22,8 +22,8 @@ from lightning_zoff import ZoffStrategy
 from lightning_zoff._compat import fake_tensor_mode, recomputes_activations, set_recompute
 from lightning_zoff.placement import Machine, PlanDoesNotFit, StateOptions, UnitShape, plan_memory
 from lightning_zoff.placement.machine import GiB
-from lightning_zoff.placement.plan import StepMemory
-from lightning_zoff.placement.rank import gathered_bytes
+from lightning_zoff.placement.plan import REDUCED_IN_FLIGHT, StepMemory
+from lightning_zoff.placement.rank import gathered_bytes, unit_shapes_before_sharding
 from lightning_zoff.placement.recompute_choice import fewer_for_all_state, fewest_blocks, linear_guess
 from lightning_zoff.placement.step_trace import LiveBytes, StepProbe, fake_parameters, trace_step
 from lightning_zoff.sharding import checkpoint_activations
@@ -125,8 +125,14 @@ def test_auto_recomputes_where_only_so_the_step_fits(tmp_path, monkeypatch, said
     kept, recomputed = step_bytes(LoggingModule(), False), step_bytes(LoggingModule(), True)
     module = LoggingModule()
     model_bytes = sum(p.numel() for p in module.parameters()) * F32
-    # room for the model and the recomputing step beside 1 GiB of slack, not for the step that keeps its activations
-    capacity = GiB + model_bytes + (kept + recomputed) // 2 + 4 * model_bytes  # 4: FSDP2's share stays below it
+    units = plan_units(module)
+    fsdp2 = gathered_bytes(module, units, F32, forward_order(module, units))
+    shapes, _ = unit_shapes_before_sharding(module, units, 1, F32)
+    # all the state on the accelerator: fp32 master and two moments, and an update's workspace (its fp32 gradient)
+    state = 3 * model_bytes + max(s.trained for s in shapes) * F32
+    # room for the model, FSDP2's share, the state and the step recomputing some blocks beside 1 GiB of slack, not for
+    # the step that keeps its activations
+    capacity = GiB + model_bytes + fsdp2 + state + (kept + recomputed) // 2
     run(tmp_path, monkeypatch, capacity, module)
     # the state is tiny: all of it fits beside a step that recomputes some blocks, so not all are recomputed
     recomputing = r"recomputing the first [12] of 3 Block blocks' activations \('auto'\): the step at a batch of"
@@ -151,15 +157,21 @@ def test_a_step_that_cannot_be_traced_counts_no_activations_and_says_so(tmp_path
     assert not any(line.startswith("the plan counts the step") for line in said.lines)
 
 
-def test_fsdp2s_share_is_two_neighbours_gathered_and_one_gradient():
+def test_fsdp2s_share_counts_two_neighbours_gathered_the_gradient_and_the_reduced_shards():
     model = TinyLM()
     units = plan_units(model)
     order = forward_order(model, units)
     assert order == ["emb", "blocks.0", "blocks.1", "blocks.2", "ln_f", "head"]
     block = 2 * 2 * tiny.DIM + (tiny.DIM * 3 * tiny.DIM + 3 * tiny.DIM) + (tiny.DIM * tiny.DIM + tiny.DIM) \
         + (tiny.DIM * 4 * tiny.DIM + 4 * tiny.DIM) + (4 * tiny.DIM * tiny.DIM + tiny.DIM)  # two norms, four linears
-    # two neighbouring blocks gathered, one of them with its unsharded gradient: more than any pair with the ends
-    assert gathered_bytes(model, units, 2, order) == 3 * block * 2
+    # two neighbouring blocks gathered, one of them with its unsharded gradient and the reduce-scatter input FSDP2
+    # keeps, and the reduced shards: two whose copy may be pending, the last one's `.grad`s, the next one's (one rank:
+    # a shard is the whole block): more than any pair with the ends
+    assert REDUCED_IN_FLIGHT == 2
+    assert gathered_bytes(model, units, 2, order) == (2 + 2 + 4) * block * 2
+    # two ranks: each holds half of a reduced block (the block's elements divide evenly)
+    assert block % 2 == 0
+    assert gathered_bytes(model, units, 2, order, world_size=2) == (2 + 2 + 4 / 2) * block * 2
 
 
 class TokensModule(pl.LightningDataModule):

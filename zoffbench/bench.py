@@ -307,8 +307,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name:>18} acc={accumulate} step={r['step_s_median']:.3f}s tok/s={r['tokens_per_s']:.0f}"
                   f" fwd={r['forward_s']:.3f}s bwd={r['backward_s']:.3f}s exposed_opt={r['exposed_optimizer_s']:.3f}s"
                   f" other={r['other_s']:.3f}s busy={r['gpu_busy_fraction']:.0%} TFLOP/s={r['model_tflops']:.0f}"
-                  f" peak_gpu={r['peak_gpu_gb']:.1f}GB reserved={r['peak_gpu_reserved_gb']:.1f}GB"
-                  f" host={r['host_gb']:.1f}GB", flush=True)
+                  f" peak_gpu={r['peak_gpu_gb']:.1f}GB active={r.get('peak_gpu_active_gb') or 0:.1f}GB"
+                  f" reserved={r['peak_gpu_reserved_gb']:.1f}GB host={r['host_gb']:.1f}GB", flush=True)
     compare(runs)
     print(f"\nmachine: {describe(machine())}\n{'run':>30} {'acc':>4} {'step s':>8} {'tokens/s':>10} {'fwd s':>7}"
           f" {'bwd s':>7} {'exposed opt s':>14} {'peak GPU GB':>12} {'host GB':>8} {'vs gpu_only':>12}"

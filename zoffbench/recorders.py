@@ -170,6 +170,7 @@ def process_peaks() -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     return dict(peak_gpu_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0,
                 peak_gpu_reserved_gb=torch.cuda.max_memory_reserved() / 1e9 if cuda else 0.0,
+                peak_gpu_active_gb=torch.cuda.memory_stats().get("active_bytes.all.peak", 0) / 1e9 if cuda else None,
                 gpu_alloc_retries=alloc_retries(),
                 host_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6)
 

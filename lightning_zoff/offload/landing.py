@@ -4,6 +4,7 @@ window's sum, its sum of squares. The engine owns one `GradientLanding` (its doc
 from __future__ import annotations
 
 import functools
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -16,6 +17,7 @@ from lightning_zoff.offload.scheduler import HostScheduler
 from lightning_zoff.offload.unit_state import Phase, UnitState
 from lightning_zoff.placement import Placement
 from lightning_zoff.placement.host_buffers import host_empty
+from lightning_zoff.placement.plan import REDUCED_IN_FLIGHT
 
 
 @dataclass(frozen=True)
@@ -54,11 +56,13 @@ class GradientLanding:
         self.window_ends = False  # this backward is its window's last (the step follows)
         self.loss_scale = 1.0
         self.landed_order: list[UnitState] = []  # this backward's units, in the order their gradients arrived
+        self.copies_in_flight: deque[torch.cuda.Event] = deque()  # the reduced shards' copies not yet seen done
 
     def begin_backward(self, window_ends: bool, loss_scale: float) -> None:
         self.window_ends = window_ends
         self.loss_scale = loss_scale
         self.landed_order = []
+        self.copies_in_flight.clear()
 
     def on_worker(self, unit: UnitState) -> bool:
         """Whether the unit's host work runs on the scheduler's worker (with overlap, for units on the host) rather
@@ -109,6 +113,7 @@ class GradientLanding:
         # the accelerator may reuse the shard's memory once this stream's copies are done, not before
         self._keep_until_read(flat_grad, self.copy_stream)
         unit.grad_copied = record_event(self.copy_stream)
+        self._bound_copies_in_flight(unit.grad_copied)
         self.landed_order.append(unit)
         if self.scheduler is not None and self.on_worker(unit):
             event = unit.grad_copied
@@ -132,6 +137,19 @@ class GradientLanding:
         """FSDP2 allocated the reduced shard on its reduce-scatter stream: freed, it waits for `stream`'s work."""
         if stream is not None:
             tensor.record_stream(stream)
+
+    def _bound_copies_in_flight(self, copied: torch.cuda.Event | None) -> None:
+        """Hold the thread that runs backward while more than `REDUCED_IN_FLIGHT` reduced shards wait for their copy.
+        A shard's memory is reusable only once the copy stream passed it (`_keep_until_read`), so a thread running
+        ahead of the GPU would keep most of a backward's shards at once, in blocks `max_memory_allocated` no longer
+        counts (gpt13b b4, 1x H200: 14 shards, 8.8 GB, and an allocator retry every step). The plan counts the bound
+        (`placement/rank.py`, `gathered_bytes`); the thread waits only where the copies are slower than backward, which
+        the step then waits for anyway."""
+        if copied is None:  # CPU copies are synchronous
+            return
+        self.copies_in_flight.append(copied)
+        while len(self.copies_in_flight) > REDUCED_IN_FLIGHT:
+            self.copies_in_flight.popleft().synchronize()
 
     @staticmethod
     def _drop_accelerator_grads(unit: UnitState) -> None:
@@ -164,12 +182,14 @@ class GradientLanding:
                 self.land(unit, self.window_ends)
         for unit in self.units:
             self._drop_accelerator_grads(unit)
+        self.copies_in_flight.clear()
 
     def after_backward_failed(self) -> None:
         """Drop what a failed backward left: FSDP2's gradients and the order units arrived in."""
         for unit in self.units:
             self._drop_accelerator_grads(unit)
         self.landed_order = []
+        self.copies_in_flight.clear()
 
     @torch.no_grad()
     def land(self, unit: UnitState, window_ends: bool) -> None:

@@ -43,6 +43,8 @@ UPDATE_PIECE = 1 << 26  # elements an accelerator-side update converts to fp32 a
 # the GPU then peaked at 80.3 GB with 35 allocator retries, against 78.5 and 11 without the share)
 LEND_PIECE = 1 << 24
 LEND_SLOTS = 3  # pieces in flight: one going up, one updated, one coming back
+# reduced gradient shards whose copy out of FSDP2's buffer may be pending while backward goes on (`landing.py`)
+REDUCED_IN_FLIGHT = 2
 
 
 class Placement(enum.Enum):

@@ -22,6 +22,7 @@ from lightning_zoff.launch.group import RankGroup, group_is_up
 from lightning_zoff.launch.node_log import log_for_node
 from lightning_zoff.placement.machine import Machine, measure_machine, size
 from lightning_zoff.placement.plan import (
+    REDUCED_IN_FLIGHT,
     MemoryPlan,
     Placement,
     StateOptions,
@@ -82,7 +83,7 @@ class RankMemory:
         # Adam's two moments: the most any supported optimizer keeps
         options = StateOptions.of(config, param_bytes=param_bytes, moments=2,
                                   sums_windows=accumulate_grad_batches > 1)
-        gathered = gathered_bytes(module, units, param_bytes, forward)
+        gathered = gathered_bytes(module, units, param_bytes, forward, self.group.world_size)
         traced = probe if machine.accelerator_capacity is not None else None  # a CPU holds any step
 
         def plan_with(step: StepMemory | None) -> MemoryPlan:
@@ -206,9 +207,9 @@ class RankMemory:
         if not self._placing_by_peak:
             return
         device = self.group.device
-        # by what the step allocated, not what the allocator reserved: its cache (per stream) runs 10% over at 13B, and
-        # it frees that cache when it needs the room (gpt13b b4 on 1x H200, 2026-12-03: 1.49 s/step against 1.74)
-        peak = torch.cuda.max_memory_allocated(device)
+        # by what the step's blocks held, not what the allocator reserved: its cache (per stream) runs 10% over at 13B,
+        # and it frees that cache when it needs the room (gpt13b b4 on 1x H200, 2026-12-03: 1.49 s/step against 1.74)
+        peak = held_peak(device)
         there, back = engine.place_by_peak(peak, more=not self._moved_back)
         self._moved_back = self._moved_back or bool(back)  # never forth again: no oscillation
         self._placing_by_peak = bool(there or back)
@@ -307,10 +308,13 @@ def in_forward_order(shapes: list[UnitShape], forward: Sequence[str]) -> list[Un
     return sorted(shapes, key=lambda u: order.get(u.name, len(order)))
 
 
-def gathered_bytes(model: nn.Module, units: list[Unit], param_bytes: int, order: Sequence[str]) -> int:
+def gathered_bytes(model: nn.Module, units: list[Unit], param_bytes: int, order: Sequence[str],
+                   world_size: int = 1) -> int:
     """FSDP2's share of a step on the accelerator, from the units' sizes in forward order (`order`): in forward a unit's
-    gathered parameters and the next one's, prefetched; in backward also the unit's unsharded gradient before it is
-    reduced. The most over each pair of neighbours, one of them with its gradient."""
+    gathered parameters and the next one's, prefetched; in backward also the unit's unsharded gradient, the
+    reduce-scatter input FSDP2 keeps until the next unit reduces, and this rank's reduced shards: `REDUCED_IN_FLIGHT`
+    whose copy may be pending (`landing.py`), the last one whose `.grad`s FSDP2 still holds, the next one being
+    reduced. The most over each pair of neighbours, the larger of them reducing."""
     taken: dict[str, torch.Tensor] = {}
     sizes = {}
     for unit in units:
@@ -319,7 +323,22 @@ def gathered_bytes(model: nn.Module, units: list[Unit], param_bytes: int, order:
         sizes[unit.name] = sum(p.numel() for _, p in owned) * param_bytes
     ordered = [sizes[name] for name in order if name in sizes]
     pairs = list(itertools.pairwise(ordered)) or [(size, 0) for size in ordered]
-    return max((a + b + max(a, b) for a, b in pairs), default=0)
+    shards = REDUCED_IN_FLIGHT + 2
+
+    def backward(a: int, b: int) -> int:
+        reducing = max(a, b)
+        return a + b + 2 * reducing + shards * -(-reducing // world_size)
+
+    return max((backward(a, b) for a, b in pairs), default=0)
+
+
+def held_peak(device: torch.device) -> int:
+    """The most the accelerator's blocks held at once since the peak was reset: allocated, or freed but not yet
+    reusable because another stream's work on them was pending (`record_stream`: FSDP2's reduced shards until their
+    copy is done). `max_memory_allocated` stops counting a block when it is freed, the allocator can reuse it only
+    later: the "active" bytes count it until then."""
+    active = torch.cuda.memory_stats(device).get("active_bytes.all.peak")
+    return int(active) if active is not None else torch.cuda.max_memory_allocated(device)
 
 
 def describe_memory(report: dict[str, float]) -> str:
