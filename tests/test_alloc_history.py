@@ -44,8 +44,23 @@ def test_the_peak_counts_the_blocks_alive_together_by_stream_and_site():
               freed(5, 35 * MB), freed(2, 20 * MB), freed(99, 500 * MB)]  # a block from before recording: ignored
     peak = alloc_history.peak_live(events)
     assert peak["live_gb"] == 55 * MB / 1e9
+    assert peak["awaiting_streams_gb"] == 0
     assert peak["by_stream_gb"] == {"5": 20 * MB / 1e9, "0": 35 * MB / 1e9}
     assert peak["top_sites_gb"] == {
         "transformers/models/llama/modeling_llama.py:1 forward": 35 * MB / 1e9,
         "lightning_zoff/offload/landing.py:3 forward": 20 * MB / 1e9,
     }
+
+
+def requested(addr, size, stream=0):
+    return {"action": "free_requested", "addr": addr, "size": size, "stream": stream}
+
+
+def test_the_peak_says_which_of_its_blocks_were_freed_but_wait_for_another_stream():
+    events = [alloc(1, 10 * MB, stream=5), requested(1, 10 * MB, stream=5),  # its copy on another stream still runs
+              alloc(2, 10 * MB, stream=5), requested(2, 10 * MB, stream=5), freed(2, 10 * MB, stream=5),
+              alloc(3, 30 * MB),  # the peak: 1 and 3 held
+              freed(1, 10 * MB, stream=5), freed(3, 30 * MB)]
+    peak = alloc_history.peak_live(events)
+    assert peak["live_gb"] == 40 * MB / 1e9
+    assert peak["awaiting_streams_gb"] == 10 * MB / 1e9

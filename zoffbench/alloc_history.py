@@ -5,7 +5,8 @@ retry freed, per stream. A retry is a cudaMalloc that failed: the allocator then
 (its events `segment_free` / `segment_unmap`, in a burst) and tries again. A block freed on one stream is cached for
 that stream alone, so the streams' cached remainders add up: the freed bytes per stream say whose cache stood in the
 way. Beside them, `gpu_step_peak` (`peak_live`): the most bytes the recorded steps' own blocks held at once, per
-stream and by the frame that made them, to set against the plan's traced step.
+stream and by the frame that made them, to set against the plan's traced step, and how many of those bytes their
+tensors had freed already (the allocator reuses them once other streams' work on them is done).
 """
 
 from __future__ import annotations
@@ -83,13 +84,19 @@ def peak_live(events: list[dict[str, Any]]) -> dict[str, Any]:
                 peak, peak_at = total, index
         elif action == "free_completed" and addr in live:
             total -= int(live.pop(addr).get("size", 0))
-    live = {}
+    live, released = {}, set()
     for event in events[: peak_at + 1]:  # the blocks alive at the peak, replayed
         addr = int(event.get("addr", 0))
         if event.get("action") == "alloc":
             live[addr] = event
+            released.discard(addr)
+        elif event.get("action") == "free_requested":
+            released.add(addr)
         elif event.get("action") == "free_completed":
             live.pop(addr, None)
+            released.discard(addr)
+    # freed by their tensors but not yet reusable: another stream's work on them was pending (`record_stream`)
+    awaiting = sum(int(live[addr].get("size", 0)) for addr in released if addr in live)
     by_stream: dict[str, int] = defaultdict(int)
     by_site: dict[str, int] = defaultdict(int)
     for event in live.values():
@@ -97,7 +104,8 @@ def peak_live(events: list[dict[str, Any]]) -> dict[str, Any]:
         by_stream[str(event.get("stream", "?"))] += size
         by_site[_site(event.get("frames", []))] += size
     top = sorted(by_site.items(), key=lambda item: -item[1])[:SITES]
-    return {"live_gb": peak / 1e9, "by_stream_gb": {s: n / 1e9 for s, n in by_stream.items()},
+    return {"live_gb": peak / 1e9, "awaiting_streams_gb": awaiting / 1e9,
+            "by_stream_gb": {s: n / 1e9 for s, n in by_stream.items()},
             "top_sites_gb": {site: n / 1e9 for site, n in top}}
 
 
