@@ -4,11 +4,13 @@ memory, the refusal of what cannot fit, and the moves a measured peak asks for."
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lightning_zoff.placement import Machine, Placement, PlanDoesNotFit, StateOptions, UnitShape, plan_memory
 from lightning_zoff.placement.machine import GB, HOST_RESERVE
 from lightning_zoff.placement.plan import host_bytes_per_element, unit_buffers
 from lightning_zoff.placement.policy import fewer_for_accelerator, more_for_accelerator
+from lightning_zoff.placement.rank import held_peak
 
 BF16_ADAM = StateOptions(param_bytes=2, moment_bytes=4, moments=2, sum_bytes=0)
 HOST, ACCEL = Placement.HOST, Placement.ACCELERATOR
@@ -112,3 +114,13 @@ def test_a_measured_peak_moves_the_hosts_first_units_there_and_back():
     assert fewer_for_accelerator(moved, 100 * 10**9 - margin // 2) == []
     assert fewer_for_accelerator(moved, 100 * 10**9 - margin // 4) == ["h.2"]
     assert fewer_for_accelerator(moved, 100 * 10**9 + 13 * 10**9) == ["h.2", "h.1"]
+
+
+def test_the_measured_peak_counts_freed_blocks_another_stream_still_uses(monkeypatch):
+    # torch's allocator stops counting a freed block as allocated at once, but reuses it only once the streams it was
+    # recorded on (`record_stream`) passed it: the "active" peak counts it until then, and "auto" places by that
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 60 * 10**9)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"active_bytes.all.peak": 69 * 10**9})
+    assert held_peak(torch.device("cuda")) == 69 * 10**9
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {})  # a torch without the statistic
+    assert held_peak(torch.device("cuda")) == 60 * 10**9
