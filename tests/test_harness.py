@@ -233,5 +233,5 @@ def test_the_steps_peak_is_the_most_their_blocks_held_at_once():
         {"action": "alloc", "addr": 4, "size": 10**9, "stream": 0, "frames": []},
     ]
     peak = peak_live(events)
-    assert peak == {"live_gb": 6.0, "by_stream_gb": {"0": 5.0, "9": 1.0},
+    assert peak == {"live_gb": 6.0, "awaiting_streams_gb": 1.0, "by_stream_gb": {"0": 5.0, "9": 1.0},
                     "top_sites_gb": {"transformers/llama.py:9 mlp": 5.0, "transformers/llama.py:9 gather": 1.0}}

@@ -164,14 +164,17 @@ def test_fsdp2s_share_counts_two_neighbours_gathered_the_gradient_and_the_reduce
     assert order == ["emb", "blocks.0", "blocks.1", "blocks.2", "ln_f", "head"]
     block = 2 * 2 * tiny.DIM + (tiny.DIM * 3 * tiny.DIM + 3 * tiny.DIM) + (tiny.DIM * tiny.DIM + tiny.DIM) \
         + (tiny.DIM * 4 * tiny.DIM + 4 * tiny.DIM) + (4 * tiny.DIM * tiny.DIM + tiny.DIM)  # two norms, four linears
-    # two neighbouring blocks gathered, one of them with its unsharded gradient and the reduce-scatter input FSDP2
-    # keeps, and the reduced shards: two whose copy may be pending, the last one's `.grad`s, the next one's (one rank:
-    # a shard is the whole block): more than any pair with the ends
+    head, ln_f = tiny.VOCAB * tiny.DIM, 2 * tiny.DIM
+    assert block > 3 * head
+    # backward reduces head, ln_f, blocks 2, 1, 0, emb. At its most when block 1 reduces: blocks 1 and 0 gathered (0
+    # prefetched), block 1's unsharded gradient, a reduce-scatter input of a block (block 2's kept until block 1's is
+    # made), and the reduced shards of the last four units to reduce: two whose copy may be pending (head, ln_f),
+    # block 2's still held as `.grad`s, block 1's (one rank: a shard is the whole unit)
     assert REDUCED_IN_FLIGHT == 2
-    assert gathered_bytes(model, units, 2, order) == (2 + 2 + 4) * block * 2
-    # two ranks: each holds half of a reduced block (the block's elements divide evenly)
+    assert gathered_bytes(model, units, 2, order) == (2 * block + 2 * block + head + ln_f + 2 * block) * 2
+    # two ranks: each holds half of every reduced unit (their elements divide evenly); still block 1
     assert block % 2 == 0
-    assert gathered_bytes(model, units, 2, order, world_size=2) == (2 + 2 + 4 / 2) * block * 2
+    assert gathered_bytes(model, units, 2, order, world_size=2) == (4 * block + (head + ln_f + 2 * block) // 2) * 2
 
 
 class TokensModule(pl.LightningDataModule):

@@ -6,7 +6,6 @@ engine, and the bytes are the plan's."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
@@ -310,26 +309,27 @@ def in_forward_order(shapes: list[UnitShape], forward: Sequence[str]) -> list[Un
 
 def gathered_bytes(model: nn.Module, units: list[Unit], param_bytes: int, order: Sequence[str],
                    world_size: int = 1) -> int:
-    """FSDP2's share of a step on the accelerator, from the units' sizes in forward order (`order`): in forward a unit's
-    gathered parameters and the next one's, prefetched; in backward also the unit's unsharded gradient, the
-    reduce-scatter input FSDP2 keeps until the next unit reduces, and this rank's reduced shards: `REDUCED_IN_FLIGHT`
-    whose copy may be pending (`landing.py`), the last one whose `.grad`s FSDP2 still holds, the next one being
-    reduced. The most over each pair of neighbours, the larger of them reducing."""
+    """FSDP2's share of a step on the accelerator, from the units' sizes in forward order (`order`), at its most: when
+    a unit reduces in backward, its gathered parameters and the next one's (prefetched), its unsharded gradient, a
+    reduce-scatter input (FSDP2 keeps the last unit's until this one reduces, then copies this one's), and this rank's
+    reduced shards of the last `REDUCED_IN_FLIGHT` + 2 units to reduce: those whose copy may be pending (`landing.py`),
+    the one whose `.grad`s FSDP2 still holds, this one's. In forward only the first two are held."""
     taken: dict[str, torch.Tensor] = {}
     sizes = {}
     for unit in units:
         owned = owned_params(model, unit, taken)
         taken.update(owned)
         sizes[unit.name] = sum(p.numel() for _, p in owned) * param_bytes
-    ordered = [sizes[name] for name in order if name in sizes]
-    pairs = list(itertools.pairwise(ordered)) or [(size, 0) for size in ordered]
-    shards = REDUCED_IN_FLIGHT + 2
+    backward = [sizes[name] for name in reversed(order) if name in sizes]
+    shards = [-(-size // world_size) for size in backward]
+    held = REDUCED_IN_FLIGHT + 2
 
-    def backward(a: int, b: int) -> int:
-        reducing = max(a, b)
-        return a + b + 2 * reducing + shards * -(-reducing // world_size)
+    def reducing(j: int) -> int:
+        gathered = backward[j] + (backward[j + 1] if j + 1 < len(backward) else 0)
+        gradients = backward[j] + max(backward[j - 1] if j else 0, backward[j])
+        return gathered + gradients + sum(shards[max(0, j + 1 - held) : j + 1])
 
-    return max((backward(a, b) for a, b in pairs), default=0)
+    return max((reducing(j) for j in range(len(backward))), default=0)
 
 
 def held_peak(device: torch.device) -> int:

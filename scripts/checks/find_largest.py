@@ -70,14 +70,15 @@ def traced_step(cfg: dict, layers: int, batch: int, device: torch.device) -> Ste
     return StepMemory(activations, gathered, f"a batch of {batch} x {seq}", samples=batch)
 
 
-def planned_units(cfg: dict, layers: int) -> tuple[list[UnitShape], int]:
-    """The GPT's units at `layers` as setup plans them (one rank, 16-bit shards), in forward order, and the bytes of
-    its shards: from a model on the meta device."""
+def planned_units(cfg: dict, layers: int) -> tuple[list[UnitShape], int, int]:
+    """The GPT's units at `layers` as setup plans them (one rank, 16-bit shards), in forward order, the bytes of its
+    shards and FSDP2's share of the step: from a model on the meta device."""
     with torch.device("meta"):
         module = GPTModule(**{**cfg, "n_layer": layers})
     units = plan_units(module)
     shapes, model_bytes = unit_shapes_before_sharding(module, units, 1, 2)
-    return in_forward_order(shapes, forward_order(module, units)), model_bytes
+    order = forward_order(module, units)
+    return in_forward_order(shapes, order), model_bytes, gathered_bytes(module, units, 2, order)
 
 
 def predict_layers(cfg: dict, batch: int, moment_bytes: int, host_available: int, gpu_total: int,
@@ -91,8 +92,8 @@ def predict_layers(cfg: dict, batch: int, moment_bytes: int, host_available: int
     per_layer = (four.activations - two.activations) / 2
     best = 0
     for layers in range(1, 400):
-        shapes, model_bytes = planned_units(cfg, layers)
-        step = replace(four, activations=int(four.activations + (layers - 4) * per_layer))
+        shapes, model_bytes, gathered = planned_units(cfg, layers)
+        step = replace(four, activations=int(four.activations + (layers - 4) * per_layer), gathered=gathered)
         try:  # "auto" at setup: the host holds all it can, the GPU the rest beside the step
             plan_memory(shapes, options, machine, "auto", model_bytes=model_bytes, masters_bytes=2 * model_bytes,
                         step=step)
