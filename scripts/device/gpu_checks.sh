@@ -26,7 +26,7 @@ for stage in "$@"; do
       # tests/gpu/test_check_overlap.py tests/gpu/test_check_placement.py", then the others by -k or by name)
       s=$SECONDS; timeout 240 python3 -c "from lightning_zoff.ops import build; build.load()" 2>&1 | tail -2
       echo "kernels built or loaded in $(( SECONDS - s )) s" | tee "$OUT/acceptance.txt"
-      timeout ${ACCEPTANCE_TIMEOUT:-580} python3 -m pytest -v -p no:cacheprovider --durations=30 ${ACCEPTANCE_TESTS:-tests/gpu} \
+      ZOFF_TEST_TIMES="$OUT/acceptance_times.txt" timeout ${ACCEPTANCE_TIMEOUT:-580} python3 -m pytest -v -p no:cacheprovider --durations=30 ${ACCEPTANCE_TESTS:-tests/gpu} \
           2>&1 | grep --line-buffered -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E |s (call|setup)" | tee -a "$OUT/acceptance.txt" ;;
     suite) timeout 200 python3 -m pytest -q -x tests/test_kernels.py tests/test_optim.py tests/test_training.py 2>&1 | tail -6 | tee "$OUT/pytest.txt" ;;
     kquick) timeout 120 python3 -m pytest -q -x tests/test_kernels.py -k "bf16_moments or agree or into" 2>&1 | tail -3 | tee "$OUT/kernels_quick.txt" ;;

@@ -26,6 +26,15 @@ def pytest_collection_modifyitems(items):
                                                " check for the GPU machine"), append=False)
 
 
+def pytest_runtest_logreport(report):
+    # each test's time as it ends, where the acceptance stage asks (`$ZOFF_TEST_TIMES`): a run cut by the call's limit
+    # prints no durations at its end
+    times = os.environ.get("ZOFF_TEST_TIMES")
+    if times and report.when == "call":
+        with open(times, "a") as file:
+            file.write(f"{report.duration:8.1f} s {report.outcome:>7} {report.nodeid}\n")
+
+
 @pytest.fixture(autouse=True)
 def threads_as_in_a_users_run(monkeypatch):
     # tests/conftest.py gives the CPU tests one torch thread per process; the runs started here get Lightning's
