@@ -96,7 +96,7 @@ def test_the_plan_counts_the_step_and_names_the_batch_that_fits():
         plan_memory(shapes(), OPTIONS, machine, "none", model_bytes=GiB, step=step)
     text = str(refused.value)
     assert re.search(r"needed at the step's peak: model 1\.1 GB, optimizer state 0\.0 MB, the step at a batch of 8 x"
-                     r" 4096 17\.7 GB \(activations 17\.2 GB, FSDP2's gathered units 0\.5 GB\)", text), text
+                     r" 4096 17\.7 GB \(activations 17\.2 GB, FSDP2's buffers 0\.5 GB\)", text), text
     # 2 GiB a sample: 7 samples (14 GiB) and FSDP2's 0.5 fit beside the model's 1 and the slack's 1 in 18; 8 do not
     assert "a batch of 7 (about 15.6 GB for the step): fits" in text
     fits = plan_memory(shapes(), OPTIONS, machine, "none", model_bytes=GiB, step=step.at_samples(7))

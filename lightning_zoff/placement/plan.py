@@ -138,7 +138,7 @@ class StepMemory:
     """A step's accelerator memory beside the model's shards and the optimizer state (`step_trace.py` measures it)."""
 
     activations: int  # traced: the most bytes one micro-batch's own tensors held at once, forward and backward
-    gathered: int  # FSDP2's: two units' gathered parameters (one running, one prefetched) and one unsharded gradient
+    gathered: int  # FSDP2's buffers at their most: gathered units, a gradient, reduced shards (`rank.gathered_bytes`)
     batch: str  # what was traced, for the lines that report it: "a batch of 4 x 4096"
     samples: int = 1  # the batch's first dimension: activations scale with it
     flops: int = 0  # traced: the forward's and backward's operations (a recomputed block's forward counts twice)
@@ -153,8 +153,8 @@ class StepMemory:
                        flops=self.flops * samples // self.samples, batch=f"a batch of {samples} (scaled)")
 
     def describe(self) -> str:
-        return (f"the step at {self.batch} {size(self.total)} (activations {size(self.activations)}, FSDP2's gathered"
-                f" units {size(self.gathered)})")
+        return (f"the step at {self.batch} {size(self.total)} (activations {size(self.activations)}, FSDP2's"
+                f" buffers {size(self.gathered)})")
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ Shape: `--model`'s width, heads, vocabulary and sequence (gpt13b: d=5120, 40 hea
 prediction (zoff runs) takes the host memory available now (less what a run's process holds before zoff plans, about
 `--process-gb`) and the GPU's memory, and asks zoff's own plan for the most layers whose state and step fit after
 "auto" placed it: the step as zoff traces it at setup (`placement/step_trace.py`, blocks recomputed as "auto" does at
-these sizes, FSDP2's gathered units), traced at 2 and 4 layers and taken as linear in the layers. The run above the
-prediction should be refused at setup by the same plan, in one line. DeepSpeed has no prediction: give its sizes with
---layers (default: the zoff predictions and 20 layers).
+these sizes), traced at 2 and 4 layers and taken as linear in the layers, with FSDP2's buffers at each size. The run
+above the prediction should be refused at setup by the same plan, in one line. DeepSpeed has no prediction: give its
+sizes with --layers (default: the zoff predictions and 20 layers).
 
 Writes (results.write_result: `--out`, or bench/results/<date>_<machine>_largest.json) {"date", "machine",
 "command", "largest": {run: params of the largest that trained, 0 if none}, "predicted": {run: layers, as predicted
