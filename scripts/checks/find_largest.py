@@ -123,8 +123,12 @@ def try_size(args: argparse.Namespace, run: str, layers: int) -> dict:
     entry.update(layers=layers, params=gpt_params(model_shape(args.model), layers),
                  outcome=entry.get("outcome", "trained") if "error" in entry else "trained")
     if entry["outcome"] == "trained":
+        retries = sum(entry.get("gpu_alloc_retries_per_step") or [])
+        planned_step = (entry.get("memory") or {}).get("accelerator_step", 0) / 1e9
         how = (f"{entry['step_s_median']:.2f} s/step, host tree peak {entry.get('host_tree_peak_gb') or 0:.1f} GB,"
-               f" GPU peak {entry['peak_gpu_gb']:.1f} GB")
+               f" GPU peak {entry['peak_gpu_gb']:.1f} GB (active {entry.get('peak_gpu_active_gb') or 0:.1f}, reserved"
+               f" {entry.get('peak_gpu_reserved_gb') or 0:.1f}), {retries} allocator retries, the plan's step"
+               f" {planned_step:.1f} GB")
     else:
         how = str(entry.get("error"))
     print(f"{run} {layers} layers ({entry['params'] / 1e9:.2f}B): {entry['outcome']}: {how}", flush=True)
