@@ -56,7 +56,8 @@ class GradientLanding:
         self.window_ends = False  # this backward is its window's last (the step follows)
         self.loss_scale = 1.0
         self.landed_order: list[UnitState] = []  # this backward's units, in the order their gradients arrived
-        self.copies_in_flight: deque[torch.cuda.Event] = deque()  # the reduced shards' copies not yet seen done
+        # this backward's reduced shards' copies not yet seen done (`begin_backward` forgets the last one's)
+        self.copies_in_flight: deque[torch.cuda.Event] = deque()
 
     def begin_backward(self, window_ends: bool, loss_scale: float) -> None:
         self.window_ends = window_ends
@@ -182,14 +183,12 @@ class GradientLanding:
                 self.land(unit, self.window_ends)
         for unit in self.units:
             self._drop_accelerator_grads(unit)
-        self.copies_in_flight.clear()
 
     def after_backward_failed(self) -> None:
         """Drop what a failed backward left: FSDP2's gradients and the order units arrived in."""
         for unit in self.units:
             self._drop_accelerator_grads(unit)
         self.landed_order = []
-        self.copies_in_flight.clear()
 
     @torch.no_grad()
     def land(self, unit: UnitState, window_ends: bool) -> None:
