@@ -17,11 +17,11 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import helpers.trainer
-from helpers.ports import free_ports
 from helpers.tiny import TinyLM, token_loader
 from helpers.tiny_module import TinyModule
 from lightning_zoff import ZoffPrecision, ZoffStrategy
 from lightning_zoff.trainer.checks import check_configured_optimizers
+from zoffbench.harness import free_ports
 
 
 class NoStep(TinyModule):

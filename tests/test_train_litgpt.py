@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.ports import free_ports
+from zoffbench.harness import free_ports
 
 pytestmark = pytest.mark.slow  # the LitGPT script in an interpreter of its own
 

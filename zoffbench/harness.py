@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import importlib
@@ -36,6 +37,7 @@ import pickle
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -329,6 +331,32 @@ def call(fn: Callable[..., Any], **kwargs: Any) -> list[Any]:
     """What `fn(**kwargs)` returned in a fresh process, on each rank in rank order; its output echoed. Raises
     ChildFailed with the output's last lines if the process failed."""
     return list(run_function(fn, kwargs, output="echo").check().results.values())
+
+
+def call_each(fn: Callable[..., Any], kwargs_by_name: dict[str, dict[str, Any]]) -> dict[str, list[Any]]:
+    """`call(fn, **kwargs)` for each name's kwargs, all at once, each in its own process with its own MASTER_PORT: the
+    GPU checks' modes are small runs whose time is mostly a process's start, so they run side by side. Their echoed
+    output interleaves."""
+    def one(kwargs: dict[str, Any], port: int) -> list[Any]:
+        env = {**os.environ, "MASTER_PORT": str(port)}
+        return list(run_function(fn, kwargs, output="echo", env=env).check().results.values())
+
+    ports = free_ports(len(kwargs_by_name))
+    with concurrent.futures.ThreadPoolExecutor(len(kwargs_by_name)) as pool:
+        futures = {name: pool.submit(one, kwargs, port)
+                   for (name, kwargs), port in zip(kwargs_by_name.items(), ports, strict=True)}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports that were free a moment ago (each held while the next is picked), for runs started at once:
+    Lightning's forking launchers leave MASTER_PORT set in their process, which every interpreter started from it would
+    otherwise share."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 def report(result: Any, rank: int | None = None) -> None:

@@ -5,9 +5,9 @@ The entry point: scripts/checks/check_overlap.py.
 Trains the example GPT (bf16-mixed, clipping at a norm that some steps exceed, one step poisoned with inf so it is
 skipped) with `ZoffStrategy(overlap=False)` (every update on the host), then `overlap=True` with the worker's natural
 timing, with every speculation run before the decision, and with every host update run by the accelerator
-(`accelerator_update_share=1.0`), each in its own subprocess, and compares losses, step outcomes and the final fp32
-masters bit for bit. Exits non-zero on any difference. tests/gpu/test_check_overlap.py asserts on `compare`'s
-summary.
+(`accelerator_update_share=1.0`), each in its own subprocess (side by side), and compares losses, step outcomes and the
+final fp32 masters bit for bit. Exits non-zero on any difference. tests/gpu/test_check_overlap.py asserts on
+`compare`'s summary.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any, cast
 
-from zoffbench.harness import call
+from zoffbench.harness import call, call_each
 
 MODEL: dict[str, Any] = dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256, lr=3e-3, weight_decay=0.1)
 BAD_STEP = 5
@@ -128,13 +128,12 @@ def differences(sync: dict, other: dict) -> dict:
 def compare(steps: int, clip: float | None = None, accumulate: int = 1) -> dict:
     """The run's setting (steps skipped and clipped) and, per overlapped mode, whether it equals sync bit for bit.
     `clip=None`: the median gradient norm of an unclipped run, so that some steps are clipped and some are not."""
-    def run(mode: str, clip: float) -> dict:
-        return call(run_mode, mode=mode, steps=steps, clip=clip, accumulate=accumulate)[0]
-
     if clip is None:
-        norms = sorted(norm for skipped, _, norm in run("sync", 0.0)["outcomes"] if not skipped)
+        unclipped = call(run_mode, mode="sync", steps=steps, clip=0.0, accumulate=accumulate)[0]
+        norms = sorted(norm for skipped, _, norm in unclipped["outcomes"] if not skipped)
         clip = norms[len(norms) // 2]
-    results = {mode: run(mode, clip) for mode in MODES}
+    runs = call_each(run_mode, {mode: dict(mode=mode, steps=steps, clip=clip, accumulate=accumulate) for mode in MODES})
+    results = {mode: ranks[0] for mode, ranks in runs.items()}
     sync = results["sync"]
     clipped = [coef < 1.0 for skipped, coef, _ in sync["outcomes"] if not skipped]
     summary = {"device": sync["device"], "steps": steps, "accumulate": accumulate, "clip": clip,

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from zoffbench.harness import call
+from zoffbench.harness import call_each
 
 MODEL: dict[str, Any] = dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256, lr=3e-3, weight_decay=0.1)
 MODES: dict[str, Literal["auto", "none"] | float] = {"none": "none", "half": 0.5, "all": 1.0, "auto": "auto"}
@@ -46,7 +46,8 @@ def run_mode(mode: str, steps: int, accumulate: int) -> dict:
 
 
 def compare(steps: int, accumulate: int = 1) -> dict:
-    results = {mode: call(run_mode, mode=mode, steps=steps, accumulate=accumulate)[0] for mode in MODES}
+    runs = call_each(run_mode, {mode: dict(mode=mode, steps=steps, accumulate=accumulate) for mode in MODES})
+    results = {mode: ranks[0] for mode, ranks in runs.items()}
     reference = results["none"]["losses"]
     summary: dict = {"device": results["none"]["device"], "steps": steps, "accumulate": accumulate}
     for mode, result in results.items():
