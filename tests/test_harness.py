@@ -141,6 +141,24 @@ def test_a_failed_child_names_its_cause():
         harness.call(fails, message="no such model")
 
 
+def started_with_port(hold_s: float) -> dict:
+    start = time.time()
+    time.sleep(hold_s)
+    return {"port": os.environ["MASTER_PORT"], "start": start, "end": time.time()}
+
+
+@pytest.mark.slow
+def test_call_each_runs_its_children_at_once_each_with_its_own_port(monkeypatch):
+    monkeypatch.setenv("MASTER_PORT", "29999")  # what a forking launcher leaves in the parent: none may inherit it
+    runs = harness.call_each(started_with_port, {name: dict(hold_s=2.0) for name in ("a", "b", "c")})
+    assert list(runs) == ["a", "b", "c"]
+    ends = [only["end"] for (only,) in runs.values()]
+    assert all(only["start"] < min(ends) for (only,) in runs.values())  # each started before any ended
+    ports = {only["port"] for (only,) in runs.values()}
+    assert len(ports) == 3
+    assert "29999" not in ports
+
+
 def test_report_needs_a_parent():
     with pytest.raises(RuntimeError, match="ZOFF_HARNESS_RESULTS"):
         harness.report({})
