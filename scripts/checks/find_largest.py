@@ -7,11 +7,12 @@ until one trains. Each try is one scripts/bench/bench.py run in its own process 
 
 Shape: `--model`'s width, heads, vocabulary and sequence (gpt13b: d=5120, 40 heads, seq 1024) at `--batch` 4. The
 prediction (zoff runs) takes the host memory available now (less what a run's process holds before zoff plans, about
-`--process-gb`) and the GPU's memory, and asks zoff's own plan for the most layers whose state and step fit after
-"auto" placed it: the step as zoff traces it at setup (`placement/step_trace.py`, blocks recomputed as "auto" does at
-these sizes), traced at 2 and 4 layers and taken as linear in the layers, with FSDP2's buffers at each size. The run
-above the prediction should be refused at setup by the same plan, in one line. DeepSpeed has no prediction: give its
-sizes with --layers (default: the zoff predictions and 20 layers).
+`--process-gb`; or ZOFF_HOST_MEMORY_BYTES, which every run's plan then takes too) and the GPU's memory, and asks zoff's
+own plan for the most layers whose state and step fit after "auto" placed it: the step as zoff traces it at setup
+(`placement/step_trace.py`, blocks recomputed as "auto" does at these sizes), traced at 2 and 4 layers and taken as
+linear in the layers, with FSDP2's buffers at each size. The run above the prediction should be refused at setup by the
+same plan, in one line. DeepSpeed has no prediction: give its sizes with --layers (default: the zoff predictions and 20
+layers).
 
 Writes (results.write_result: `--out`, or bench/results/<date>_<machine>_largest.json) {"date", "machine",
 "command", "largest": {run: params of the largest that trained, 0 if none}, "predicted": {run: layers, as predicted
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -154,7 +156,10 @@ def main() -> None:
     import psutil
 
     cfg = model_shape(args.model)
-    host = int(psutil.virtual_memory().available - args.process_gb * 1e9)
+    # ZOFF_HOST_MEMORY_BYTES, where set, is what every run's plan takes as available (a calibration: the plan with
+    # more or less host than the machine has); the prediction takes it as they will
+    overridden = int(os.environ.get("ZOFF_HOST_MEMORY_BYTES", 0))
+    host = overridden or int(psutil.virtual_memory().available - args.process_gb * 1e9)
     gpu = gpu_memory()
     cuda = torch.device("cuda")
     predicted = {run: predict_layers(cfg, args.batch, MOMENTS[run], host, gpu, cuda) for run in args.runs
