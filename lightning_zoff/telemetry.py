@@ -18,28 +18,38 @@ class StepTimer:
     phase's start to reaching its end, which includes the time it sat idle waiting for the host (a forward held by
     an update, the step's decision). The events are read once they are done, so a window's times come out a step
     or two late and timing never makes the host wait for the accelerator (a synchronize per phase would stall the
-    very overlap it measures). Elsewhere, wall-clock time, at once."""
+    very overlap it measures). Elsewhere, wall-clock time, at once.
+
+    The time from one phase's end to the next one's start, in the window of the later, is the phase "between": what
+    the accelerator spent outside every phase (the loop's own work between micro-batches, a batch's copy, the host
+    late with the next forward), from the same events, none added."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._window: dict[str, list] = defaultdict(list)  # phase -> [(start, end)] events, or seconds off CUDA
         self._pending: list[tuple[dict[str, list], dict[str, float]]] = []  # closed windows not yet read
+        self._last_end: Any = None  # the last phase's end: its event, or perf_counter's seconds off CUDA
 
     @contextmanager
     def measure(self, phase: str) -> Iterator[None]:
         if self.device.type != "cuda":
             started = time.perf_counter()
+            if self._last_end is not None:
+                self._window["between"].append(started - self._last_end)
             try:
                 yield
             finally:
-                self._window[phase].append(time.perf_counter() - started)
+                self._last_end = time.perf_counter()
+                self._window[phase].append(self._last_end - started)
             return
         start = torch.cuda.Event(enable_timing=True)
         start.record(torch.cuda.current_stream(self.device))
+        if self._last_end is not None:
+            self._window["between"].append((self._last_end, start))
         try:
             yield
         finally:
-            end = torch.cuda.Event(enable_timing=True)
+            end = self._last_end = torch.cuda.Event(enable_timing=True)
             end.record(torch.cuda.current_stream(self.device))
             self._window[phase].append((start, end))
 

@@ -194,7 +194,7 @@ def test_cpu_run_records_model_and_gpu_memory(tmp_path):
     command = [sys.executable, str(SCRIPTS / "bench" / "bench.py"), "--model", "tiny", "--runs", "zoff", "--accumulate",
                "1", "--steps", "2", "--warmup", "1", "--batch", "2", "--gpu-memory-gb", "24", "--num-workers", "2",
                "--out", str(out)]
-    subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
     record = json.loads(out.read_text())
     assert list(record)[:3] == ["date", "machine", "command"]  # write_result's header, then the bench's own keys
     assert record["machine"] == results.machine()
@@ -213,6 +213,10 @@ def test_cpu_run_records_model_and_gpu_memory(tmp_path):
     assert run["tree_pss_within_plan_capacity"] is True
     assert run["recomputed_blocks"] == 0  # a CPU holds any step: "auto" recomputes nothing
     assert run["forward_s"] > 0
+    # of the step's time outside its phases, the gaps between them (the loop's own work), logged and printed
+    between = run["telemetry_median"]["zoff/between_s"]
+    assert between > 0
+    assert f"(between phases {between:.3f}s)" in done.stdout
     assert run["backward_s"] > 0
     assert run["step_s_median"] > 0
     assert run["host_tree_peak_gb"] > 0.1  # the child's tree, sampled while it ran: Python, torch and Lightning

@@ -203,6 +203,13 @@ def best_exact_deepspeed(runs: list[dict], accumulate: int) -> dict | None:
     return max(candidates, key=lambda r: r["tokens_per_s"], default=None)
 
 
+def between(run: dict) -> str:
+    """Of a zoff run's `other`, the part its accelerator spent between zoff's phases (`StepTimer`'s "between": the
+    loop's own work between micro-batches and at the window's edges); empty for runs without zoff's telemetry."""
+    seconds = (run.get("telemetry_median") or {}).get("zoff/between_s")
+    return "" if seconds is None else f" (between phases {seconds:.3f}s)"
+
+
 def compare(runs: list[dict]) -> None:
     """Each run's throughput against gpu_only's and the fastest exact DeepSpeed run's at the same accumulation."""
     for r in runs:
@@ -306,7 +313,8 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             print(f"{name:>18} acc={accumulate} step={r['step_s_median']:.3f}s tok/s={r['tokens_per_s']:.0f}"
                   f" fwd={r['forward_s']:.3f}s bwd={r['backward_s']:.3f}s exposed_opt={r['exposed_optimizer_s']:.3f}s"
-                  f" other={r['other_s']:.3f}s busy={r['gpu_busy_fraction']:.0%} TFLOP/s={r['model_tflops']:.0f}"
+                  f" other={r['other_s']:.3f}s{between(r)} busy={r['gpu_busy_fraction']:.0%}"
+                  f" TFLOP/s={r['model_tflops']:.0f}"
                   f" peak_gpu={r['peak_gpu_gb']:.1f}GB active={r.get('peak_gpu_active_gb') or 0:.1f}GB"
                   f" reserved={r['peak_gpu_reserved_gb']:.1f}GB host={r['host_gb']:.1f}GB", flush=True)
     compare(runs)
