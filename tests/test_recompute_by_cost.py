@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from helpers import tiny
-from helpers.simulated_accelerator import LoggingModule, four_blocks, step_bytes, with_accelerator
+from helpers.simulated_accelerator import LoggingModule, four_blocks, step_total, with_accelerator
 from helpers.tiny import TinyLM, token_loader
 from helpers.trainer import fit
 from lightning_zoff import ZoffStrategy
@@ -22,12 +22,10 @@ from lightning_zoff._compat import recomputes_activations
 from lightning_zoff.placement import Machine, PlanDoesNotFit, StateOptions, UnitShape, plan_memory, rank as rank_memory
 from lightning_zoff.placement.machine import GiB
 from lightning_zoff.placement.plan import StepMemory
-from lightning_zoff.placement.rank import gathered_bytes
 from lightning_zoff.placement.recompute_choice import fewest_by_halves, fewest_that_fit
 from lightning_zoff.placement.step_costs import BlockTrade, Rates, block_trade
 from lightning_zoff.placement.step_trace import StepProbe, trace_step_work
 from lightning_zoff.sharding import checkpoint_activations
-from lightning_zoff.units import forward_order, plan_units
 
 CPU = torch.device("cpu")
 
@@ -35,7 +33,7 @@ CPU = torch.device("cpu")
 def test_the_trace_counts_the_operations_by_hand():
     model = nn.Sequential(nn.Linear(256, 512, bias=False), nn.ReLU(), nn.Linear(512, 10, bias=False))
     probe = StepProbe(lambda: torch.zeros(64, 256), lambda x: model(x).pow(2).mean(), contextlib.nullcontext)
-    _, flops = trace_step_work(model, probe, torch.zeros(64, 256), CPU, torch.float32)
+    flops = trace_step_work(model, probe, torch.zeros(64, 256), CPU, torch.float32).flops
     forward = 2 * 64 * 256 * 512 + 2 * 64 * 512 * 10
     # backward: the second layer's weight and input gradients, the first layer's weight gradient (the batch needs none)
     backward = 2 * 64 * 512 * 10 + 2 * 64 * 10 * 512 + 2 * 64 * 256 * 512
@@ -53,8 +51,8 @@ def test_recompute_adds_the_blocks_forwards():
     # the qkv, proj and fc1 products (3D, D and 4D wide), not fc2, whose output nothing saved; the CPU's attention
     # kernel has no formula in torch's counter (the GPU's have)
     tokens, d = 4 * tiny.SEQ, tiny.DIM
-    assert recomputed[1] - kept[1] == len(model.blocks) * 2 * tokens * d * (3 * d + d + 4 * d)
-    assert recomputed[0] < kept[0]
+    assert recomputed.flops - kept.flops == len(model.blocks) * 2 * tokens * d * (3 * d + d + 4 * d)
+    assert recomputed.activations < kept.activations
 
 
 def test_a_block_trade_by_hand():
@@ -117,13 +115,11 @@ CHEAP_RECOMPUTE = Rates(accelerator_flops_per_s=1e18, host_s_per_element=1.0)
 def auto_run(tmp_path, monkeypatch, rates: Rates, accumulate: int, devices: int = 1) -> None:
     """The tiny LM on an accelerator with room for the model, the step that keeps its activations and a little of the
     state, not all of it: "auto" (recompute and state) at `accumulate` micro-batches a step, `rates` measured."""
-    kept = step_bytes(LoggingModule(), False)
+    kept = step_total(LoggingModule(), False, world_size=devices)
     module = LoggingModule()
     model_bytes = sum(p.numel() for p in module.parameters()) * 4
-    units = plan_units(module)
-    gathered = gathered_bytes(module, units, 4, forward_order(module, units))
-    # the slack, the rank's model shard, the step with FSDP2's share, and a third of the rank's state (12 B/param)
-    with_accelerator(monkeypatch, GiB + model_bytes // devices + kept + gathered + model_bytes // devices)
+    # the slack, the rank's model shard, the step with FSDP2's buffers, and a third of the rank's state (12 B/param)
+    with_accelerator(monkeypatch, GiB + model_bytes // devices + kept + model_bytes // devices)
     monkeypatch.setattr(rank_memory, "measure_rates", lambda device, moment_dtype, host_rate: rates)
     monkeypatch.chdir(tmp_path)
     strategy = ZoffStrategy(start_method="fork", accelerator_state="auto", accelerator_update_share="none")

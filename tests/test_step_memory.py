@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from helpers import tiny
-from helpers.simulated_accelerator import LoggingModule, four_blocks, step_bytes, with_accelerator
+from helpers.simulated_accelerator import LoggingModule, four_blocks, step_bytes, step_total, with_accelerator
 from helpers.tiny import TinyLM, token_loader
 from helpers.trainer import fit
 from lightning_zoff import ZoffStrategy
@@ -122,17 +122,16 @@ def test_setup_counts_the_step_at_the_loaders_batch(tmp_path, monkeypatch, said)
 
 
 def test_auto_recomputes_where_only_so_the_step_fits(tmp_path, monkeypatch, said):
-    kept, recomputed = step_bytes(LoggingModule(), False), step_bytes(LoggingModule(), True)
+    kept, recomputed = step_total(LoggingModule(), False), step_total(LoggingModule(), True)
     module = LoggingModule()
     model_bytes = sum(p.numel() for p in module.parameters()) * F32
     units = plan_units(module)
-    fsdp2 = gathered_bytes(module, units, F32, forward_order(module, units))
     shapes, _ = unit_shapes_before_sharding(module, units, 1, F32)
     # all the state on the accelerator: fp32 master and two moments, and an update's workspace (its fp32 gradient)
     state = 3 * model_bytes + max(s.trained for s in shapes) * F32
-    # room for the model, FSDP2's share, the state and the step recomputing some blocks beside 1 GiB of slack, not for
-    # the step that keeps its activations
-    capacity = GiB + model_bytes + fsdp2 + state + (kept + recomputed) // 2
+    # room for the model, the state and the step (with FSDP2's buffers) recomputing some blocks beside 1 GiB of
+    # slack, not for the step that keeps its activations
+    capacity = GiB + model_bytes + state + (kept + recomputed) // 2
     run(tmp_path, monkeypatch, capacity, module)
     # the state is tiny: all of it fits beside a step that recomputes some blocks, so not all are recomputed
     recomputing = r"recomputing the first [12] of 3 Block blocks' activations \('auto'\): the step at a batch of"

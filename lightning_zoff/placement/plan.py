@@ -142,17 +142,27 @@ class StepMemory:
     batch: str  # what was traced, for the lines that report it: "a batch of 4 x 4096"
     samples: int = 1  # the batch's first dimension: activations scale with it
     flops: int = 0  # traced: the forward's and backward's operations (a recomputed block's forward counts twice)
+    # traced: the most the activations and FSDP2's buffers held at one moment (`fsdp_buffers.py`); 0: not traced so
+    together: int = 0
 
     @property
     def total(self) -> int:
-        return self.activations + self.gathered
+        """The step's peak: the most held at one moment where traced so (never under FSDP2's own peak, which the
+        trace's order of gradients may not reach), else the two peaks added."""
+        return max(self.together, self.gathered) if self.together else self.activations + self.gathered
 
     def at_samples(self, samples: int) -> StepMemory:
-        """The step at a batch of `samples` instead, its activations scaled (an estimate: the trace saw one batch)."""
-        return replace(self, activations=self.activations * samples // self.samples, samples=samples,
-                       flops=self.flops * samples // self.samples, batch=f"a batch of {samples} (scaled)")
+        """The step at a batch of `samples` instead, its activations scaled (an estimate: the trace saw one batch);
+        the peak moves by as much as the activations' peak."""
+        activations = self.activations * samples // self.samples
+        return replace(self, activations=activations, samples=samples, flops=self.flops * samples // self.samples,
+                       together=self.together and self.together + activations - self.activations,
+                       batch=f"a batch of {samples} (scaled)")
 
     def describe(self) -> str:
+        if self.together:
+            return (f"the step at {self.batch} {size(self.total)} at its peak (activations {size(self.activations)}"
+                    f" and FSDP2's buffers {size(self.gathered)} at their own)")
         return (f"the step at {self.batch} {size(self.total)} (activations {size(self.activations)}, FSDP2's"
                 f" buffers {size(self.gathered)})")
 

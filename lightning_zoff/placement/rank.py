@@ -19,6 +19,7 @@ from lightning_zoff._compat import finish_failed_backward
 from lightning_zoff.host_watch import HostMemoryLow, available_bytes, floor_bytes, stop_line
 from lightning_zoff.launch.group import RankGroup, group_is_up
 from lightning_zoff.launch.node_log import log_for_node
+from lightning_zoff.placement.fsdp_buffers import UnitBuffers
 from lightning_zoff.placement.machine import Machine, measure_machine, size
 from lightning_zoff.placement.plan import (
     REDUCED_IN_FLIGHT,
@@ -83,13 +84,14 @@ class RankMemory:
         options = StateOptions.of(config, param_bytes=param_bytes, moments=2,
                                   sums_windows=accumulate_grad_batches > 1)
         gathered = gathered_bytes(module, units, param_bytes, forward, self.group.world_size)
+        buffers = UnitBuffers.of(module, units, param_bytes, forward, self.group.world_size)
         traced = probe if machine.accelerator_capacity is not None else None  # a CPU holds any step
 
         def plan_with(step: StepMemory | None) -> MemoryPlan:
             return plan_memory(shapes, options, machine, config.accelerator_state, model_bytes=model_bytes,
                                masters_bytes=model_bytes * 4 // param_bytes, step=step)
 
-        step = self.step = measure_step(module, traced, self.group.device, param_dtype, gathered)
+        step = self.step = measure_step(module, traced, self.group.device, param_dtype, gathered, buffers)
         if config.activation_checkpointing_policy != "auto" or not recomputable:
             plan_with(step)  # refuses what does not fit
             self._say_step(step)
@@ -104,7 +106,7 @@ class RankMemory:
             self._say_step(step)
             return
         names = ", ".join(recompute_activations(recomputable))
-        recomputed = self.step = measure_step(module, traced, self.group.device, param_dtype, gathered)
+        recomputed = self.step = measure_step(module, traced, self.group.device, param_dtype, gathered, buffers)
         plan = plan_with(recomputed)  # refuses a step that does not fit even so
         if step is None or recomputed is None:
             self._say(f"recomputing {names} activations ('auto'): state {self._all_state(plan) / 1e9:.1f} GB + model"
@@ -112,7 +114,7 @@ class RankMemory:
             return
 
         def trace() -> StepMemory | None:
-            return measure_step(module, traced, self.group.device, param_dtype, gathered)
+            return measure_step(module, traced, self.group.device, param_dtype, gathered, buffers)
 
         fewer = fewer_for_all_state(recomputable, step, recomputed, trace, plan_with)
         most = len(recomputable) if fewer is None else fewer[0]

@@ -75,7 +75,7 @@ def fewer_for_all_state(blocks: Sequence[nn.Module], kept: StepMemory, recompute
                        - recomputed.total)
     traced: dict[int, StepMemory | None] = {len(blocks): recomputed}
     fits = _traced_check(blocks, trace, traced, lambda step: accelerator_holds_all(plan_with(step)))
-    guess = linear_guess(len(blocks), kept.activations, recomputed.activations, room - kept.gathered)
+    guess = linear_guess(len(blocks), kept.total, recomputed.total, room)
     count = fewest_blocks(len(blocks), fits, guess)
     switch_first(blocks, count)
     chosen = traced.get(count)

@@ -9,7 +9,7 @@ Shape: `--model`'s width, heads, vocabulary and sequence (gpt13b: d=5120, 40 hea
 prediction (zoff runs) takes the host memory available now (less what a run's process holds before zoff plans, about
 `--process-gb`; or ZOFF_HOST_MEMORY_BYTES, which every run's plan then takes too) and the GPU's memory, and asks zoff's
 own plan for the most layers whose state and step fit after "auto" placed it: the step as zoff traces it at setup
-(`placement/step_trace.py`, blocks recomputed as "auto" does at these sizes), traced at 2 and 4 layers and taken as
+(`placement/step_trace.py`, blocks recomputed as "auto" does at these sizes), traced at 6 and 8 layers and taken as
 linear in the layers, with FSDP2's buffers at each size. The run above the prediction should be refused at setup by the
 same plan, in one line. DeepSpeed has no prediction: give its sizes with --layers (default: the zoff predictions and 20
 layers).
@@ -35,9 +35,10 @@ import torch
 
 from lightning_zoff.examples.gpt import GPTModule
 from lightning_zoff.placement import Machine, PlanDoesNotFit, StateOptions, StepProbe, UnitShape, plan_memory
-from lightning_zoff.placement.plan import StepMemory
+from lightning_zoff.placement.fsdp_buffers import UnitBuffers
+from lightning_zoff.placement.plan import REDUCED_IN_FLIGHT, StepMemory
 from lightning_zoff.placement.rank import gathered_bytes, in_forward_order, unit_shapes_before_sharding
-from lightning_zoff.placement.step_trace import trace_step
+from lightning_zoff.placement.step_trace import trace_step_work
 from lightning_zoff.sharding import block_classes, checkpoint_activations
 from lightning_zoff.units import forward_order, plan_units
 from zoffbench.harness import run_command
@@ -46,6 +47,8 @@ from zoffbench.results import ROOT, result_path, write_result
 
 BENCH = ROOT / "scripts" / "bench" / "bench.py"
 MOMENTS = {"zoff": 4, "zoff_bf16_moments": 2}
+# the sizes the step is traced at: FSDP2's buffers stop growing past REDUCED_IN_FLIGHT + 2 units (the reduced shards)
+TRACED = (REDUCED_IN_FLIGHT + 4, REDUCED_IN_FLIGHT + 6)
 
 
 def gpt_params(cfg: dict, layers: int) -> int:
@@ -67,9 +70,11 @@ def traced_step(cfg: dict, layers: int, batch: int, device: torch.device) -> Ste
     tokens = torch.zeros(batch, seq, dtype=torch.long)
     autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
     probe = StepProbe(lambda: (tokens, tokens), lambda b: module.model(*b)[1], autocast)
-    activations = trace_step(module, probe, (tokens, tokens), device, torch.bfloat16)
-    gathered = gathered_bytes(module, units, 2, forward_order(module, units))
-    return StepMemory(activations, gathered, f"a batch of {batch} x {seq}", samples=batch)
+    order = forward_order(module, units)
+    work = trace_step_work(module, probe, (tokens, tokens), device, torch.bfloat16,
+                           UnitBuffers.of(module, units, 2, order))
+    return StepMemory(work.activations, gathered_bytes(module, units, 2, order), f"a batch of {batch} x {seq}",
+                      samples=batch, together=work.together)
 
 
 def planned_units(cfg: dict, layers: int) -> tuple[list[UnitShape], int, int]:
@@ -86,16 +91,21 @@ def planned_units(cfg: dict, layers: int) -> tuple[list[UnitShape], int, int]:
 def predict_layers(cfg: dict, batch: int, moment_bytes: int, host_available: int, gpu_total: int,
                    device: torch.device) -> int:
     """The most layers whose optimizer state and step the memory plan fits (0 if none): the plan zoff makes at setup,
-    with the step traced at two sizes and its activations taken as linear in the layers between (the blocks repeat)."""
+    with the step traced at two sizes and taken as linear in the layers beyond (the blocks repeat): sizes where FSDP2's
+    buffers have stopped growing (`TRACED`: more units than the reduced shards it holds at once), so that both the
+    activations and the most held at one moment grow by one block's activations a layer."""
     # the defaults' options: the GPU's share of the host's updates takes its slots there
     options = StateOptions(param_bytes=2, moment_bytes=moment_bytes, moments=2, sum_bytes=0, update_share="auto")
     machine = Machine(host_available, gpu_total)
-    two, four = traced_step(cfg, 2, batch, device), traced_step(cfg, 4, batch, device)
-    per_layer = (four.activations - two.activations) / 2
+    small, large = (traced_step(cfg, layers, batch, device) for layers in TRACED)
+    per_layer = (large.activations - small.activations) / (TRACED[1] - TRACED[0])
+    per_layer_together = (large.together - small.together) / (TRACED[1] - TRACED[0])
     best = 0
     for layers in range(1, 400):
         shapes, model_bytes, gathered = planned_units(cfg, layers)
-        step = replace(four, activations=int(four.activations + (layers - 4) * per_layer), gathered=gathered)
+        grown = layers - TRACED[1]
+        step = replace(large, activations=int(large.activations + grown * per_layer), gathered=gathered,
+                       together=int(large.together + grown * per_layer_together))
         try:  # "auto" at setup: the host holds all it can, the GPU the rest beside the step
             plan_memory(shapes, options, machine, "auto", model_bytes=model_bytes, masters_bytes=2 * model_bytes,
                         step=step)

@@ -18,9 +18,12 @@ from helpers import tiny
 from helpers.tiny import TinyLM, token_loader
 from lightning_zoff._compat import set_recompute
 from lightning_zoff.placement import Machine, rank as rank_memory
+from lightning_zoff.placement.fsdp_buffers import UnitBuffers
 from lightning_zoff.placement.plan import StepMemory
-from lightning_zoff.placement.step_trace import StepProbe, trace_step, trace_step_work
+from lightning_zoff.placement.rank import gathered_bytes
+from lightning_zoff.placement.step_trace import StepProbe, measure_step, trace_step, trace_step_work
 from lightning_zoff.sharding import checkpoint_activations
+from lightning_zoff.units import forward_order, plan_units
 
 CPU = torch.device("cpu")
 
@@ -71,6 +74,22 @@ def step_bytes(module: LoggingModule, recompute: bool) -> int:
     return trace_step(module, probe, batch, CPU, torch.float32)
 
 
+def step_total(module: LoggingModule, recompute: bool, world_size: int = 1) -> int:
+    """The step as a rank's plan counts it at setup (`rank.py`): traced with FSDP2's buffers beside the activations,
+    the most held at one moment."""
+    batch = next(iter(token_loader(tiny.GLOBAL)))
+    probe = StepProbe(lambda: batch, lambda b: tiny.loss_of(module.model, *b), contextlib.nullcontext)
+    if recompute:
+        checkpoint_activations(module, {tiny.Block})
+    units = plan_units(module)
+    order = forward_order(module, units)
+    gathered = gathered_bytes(module, units, 4, order, world_size)
+    buffers = UnitBuffers.of(module, units, 4, order, world_size)
+    step = measure_step(module, probe, CPU, torch.float32, gathered, buffers)
+    assert step is not None
+    return step.total
+
+
 def four_blocks() -> tuple[list[nn.Module], Callable[[], StepMemory], list[StepMemory]]:
     """A 4-block tiny LM with recompute installed switched off: its blocks, a trace of its step as the switches
     stand, and the steps traced with the first 0 to 4 blocks recomputed (each smaller than the one before)."""
@@ -80,8 +99,8 @@ def four_blocks() -> tuple[list[nn.Module], Callable[[], StepMemory], list[StepM
     probe = StepProbe(lambda: batch, lambda b: tiny.loss_of(model, *b), contextlib.nullcontext)
 
     def trace() -> StepMemory:
-        activations, flops = trace_step_work(model, probe, batch, CPU, torch.float32)
-        return StepMemory(activations, 0, "a batch", samples=4, flops=flops)
+        work = trace_step_work(model, probe, batch, CPU, torch.float32)
+        return StepMemory(work.activations, 0, "a batch", samples=4, flops=work.flops)
 
     steps = []
     for n in range(5):
