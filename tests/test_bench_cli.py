@@ -217,6 +217,8 @@ def test_cpu_run_records_model_and_gpu_memory(tmp_path):
     between = run["telemetry_median"]["zoff/between_s"]
     assert between > 0
     assert f"(between phases {between:.3f}s)" in done.stdout
+    # zoff's own lines of the run, as its node logged them: where the state went at setup among them
+    assert any(line.startswith("zoff rank 0: state: ") for line in run["zoff_lines"]), run["zoff_lines"]
     assert run["backward_s"] > 0
     assert run["step_s_median"] > 0
     assert run["host_tree_peak_gb"] > 0.1  # the child's tree, sampled while it ran: Python, torch and Lightning

@@ -131,9 +131,16 @@ def run_child(args: argparse.Namespace, name: str, accumulate: int, steps: int, 
         measured = child.results[0]
         if "reported_at" in measured:  # the process's end after its measurement: teardown and exit
             host["exit_s"] = child.ended_at - measured["reported_at"]
-        return {**measured, **host, **plan_against_tree(measured.get("memory"), args.devices, pss)}
+        return {**measured, **host, **plan_against_tree(measured.get("memory"), args.devices, pss),
+                "zoff_lines": zoff_lines(child.stderr)}
     error = child.failure()
     return run.entry(**RunFailure(error, outcome_of(error), child.stderr[-2000:]).fields(), **host)
+
+
+def zoff_lines(output: str, most: int = 20) -> list[str]:
+    """zoff's own lines in a run's output, as its node logged them: the plan's step, the blocks recomputed and why,
+    where the state went."""
+    return [line[line.index("zoff rank"):] for line in output.splitlines() if "zoff rank" in line][:most]
 
 
 def smallest_fitting_ratio(ratios: list[float], try_ratio: Callable[[float], str]) -> tuple[float | None, list]:

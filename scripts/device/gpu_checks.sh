@@ -215,7 +215,8 @@ for stage in "$@"; do
       timeout 280 python3 scripts/bench/bench.py --config megatrain_qwen25_7b --runs zoff --warmup 1 --steps 5 $cap \
           --run-timeout-s 270 --out "$OUT/megatrain_qwen25_7b_zoff.json" 2>&1 | tee "$OUT/megatrain_zoff.log" \
           | grep -v "^INFO" | tail -6 | tee "$OUT/megatrain_zoff.txt"
-      grep -h "recomputing\|zoff:" "$OUT/megatrain_zoff.log" | cut -c1-700 | head -12 || echo "(no setup line in the log)" ;;
+      python3 -c "import json,sys; print(*json.load(open(sys.argv[1]))['runs'][0].get('zoff_lines', []), sep='\n')" \
+          "$OUT/megatrain_qwen25_7b_zoff.json" | cut -c1-700 ;;
     peers)  # the peers at their own headline configurations (issue 53), each part one bench call and one JSON, every
       # outcome recorded (time, gpu_oom, host_oom, timeout, unsupported). Needs .whl with transformers, DeepSpeed and
       # torchao (device_wheels.sh --with-deepspeed, scripts/device/hf_wheels.sh, scripts/device/torchao_wheels.sh).
