@@ -47,6 +47,21 @@ class UnitBuffers:
                    trained=tuple(sum(p.requires_grad for _, p in owned[name]) for name in names), unit_of=unit_of)
 
     @property
+    def most(self) -> int:
+        """FSDP2's buffers at their most (`rank.gathered_bytes`): where a unit reduces in backward (reverse forward
+        order), it and the next one gathered, its gradient, a reduce-scatter input (the last unit's or its own, the
+        larger), and the reduced shards of the last `REDUCED_IN_FLIGHT` + 2 units to reduce, its own among them."""
+        backward, shards = self.sizes[::-1], self.shards[::-1]
+        held = REDUCED_IN_FLIGHT + 2
+
+        def reducing(j: int) -> int:
+            gathered = backward[j] + (backward[j + 1] if j + 1 < len(backward) else 0)
+            gradients = backward[j] + max(backward[j - 1] if j else 0, backward[j])
+            return gathered + gradients + sum(shards[max(0, j + 1 - held) : j + 1])
+
+        return max((reducing(j) for j in range(len(backward))), default=0)
+
+    @property
     def forward_most(self) -> int:
         """In forward: a unit and the next one gathered, at their most."""
         return max((a + b for a, b in zip(self.sizes, (*self.sizes[1:], 0), strict=True)), default=0)

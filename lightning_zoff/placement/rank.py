@@ -22,7 +22,6 @@ from lightning_zoff.launch.node_log import log_for_node
 from lightning_zoff.placement.fsdp_buffers import UnitBuffers
 from lightning_zoff.placement.machine import Machine, measure_machine, size
 from lightning_zoff.placement.plan import (
-    REDUCED_IN_FLIGHT,
     MemoryPlan,
     Placement,
     StateOptions,
@@ -83,8 +82,8 @@ class RankMemory:
         # Adam's two moments: the most any supported optimizer keeps
         options = StateOptions.of(config, param_bytes=param_bytes, moments=2,
                                   sums_windows=accumulate_grad_batches > 1)
-        gathered = gathered_bytes(module, units, param_bytes, forward, self.group.world_size)
         buffers = UnitBuffers.of(module, units, param_bytes, forward, self.group.world_size)
+        gathered = buffers.most
         traced = probe if machine.accelerator_capacity is not None else None  # a CPU holds any step
 
         def plan_with(step: StepMemory | None) -> MemoryPlan:
@@ -316,22 +315,7 @@ def gathered_bytes(model: nn.Module, units: list[Unit], param_bytes: int, order:
     reduce-scatter input (FSDP2 keeps the last unit's until this one reduces, then copies this one's), and this rank's
     reduced shards of the last `REDUCED_IN_FLIGHT` + 2 units to reduce: those whose copy may be pending (`landing.py`),
     the one whose `.grad`s FSDP2 still holds, this one's. In forward only the first two are held."""
-    taken: dict[str, torch.Tensor] = {}
-    sizes = {}
-    for unit in units:
-        owned = owned_params(model, unit, taken)
-        taken.update(owned)
-        sizes[unit.name] = sum(p.numel() for _, p in owned) * param_bytes
-    backward = [sizes[name] for name in reversed(order) if name in sizes]
-    shards = [-(-size // world_size) for size in backward]
-    held = REDUCED_IN_FLIGHT + 2
-
-    def reducing(j: int) -> int:
-        gathered = backward[j] + (backward[j + 1] if j + 1 < len(backward) else 0)
-        gradients = backward[j] + max(backward[j - 1] if j else 0, backward[j])
-        return gathered + gradients + sum(shards[max(0, j + 1 - held) : j + 1])
-
-    return max((reducing(j) for j in range(len(backward))), default=0)
+    return UnitBuffers.of(model, units, param_bytes, order, world_size).most
 
 
 def held_peak(device: torch.device) -> int:

@@ -70,11 +70,10 @@ def traced_step(cfg: dict, layers: int, batch: int, device: torch.device) -> Ste
     tokens = torch.zeros(batch, seq, dtype=torch.long)
     autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
     probe = StepProbe(lambda: (tokens, tokens), lambda b: module.model(*b)[1], autocast)
-    order = forward_order(module, units)
-    work = trace_step_work(module, probe, (tokens, tokens), device, torch.bfloat16,
-                           UnitBuffers.of(module, units, 2, order))
-    return StepMemory(work.activations, gathered_bytes(module, units, 2, order), f"a batch of {batch} x {seq}",
-                      samples=batch, together=work.together)
+    buffers = UnitBuffers.of(module, units, 2, forward_order(module, units))
+    work = trace_step_work(module, probe, (tokens, tokens), device, torch.bfloat16, buffers)
+    return StepMemory(work.activations, buffers.most, f"a batch of {batch} x {seq}", samples=batch,
+                      together=work.together)
 
 
 def planned_units(cfg: dict, layers: int) -> tuple[list[UnitShape], int, int]:
