@@ -4,10 +4,11 @@ would otherwise hold optimizer state, whose update then runs on the host. With m
 Qwen2.5-7B runs 18) the recompute is the dearer; with one, the host's update.
 
 Both rates are measured at setup, in tens of milliseconds: the accelerator's on a bf16 matrix product, and the host's
-fused update over a few million elements (timed by the optimizer package, which placement does not load). Each errs
-the same way, towards recompute ("auto"'s choice before costs counted): a model runs slower than one large product,
-so its recompute takes longer than the product's rate says; and the host's update is counted as exposed in full,
-though overlap and the accelerator's share hide part of it.
+fused update over more elements than a cache holds (timed by the optimizer package, which placement does not load).
+The recompute side holds on the GPU (1x H100, 2026-12-07: 75-83 ms a block estimated, 90 measured); the displaced side
+does not: at MegaTrain's configuration one unit more on the host (233M elements) made the exposed update 0.76-0.93 s
+longer, where its update alone is about 0.07 s (bench/README.md, "The moment-wise step on the GPU"). Until a measured
+curve says what a moved unit costs, the trade leans to keeping activations where it should not.
 """
 
 from __future__ import annotations

@@ -217,6 +217,21 @@ for stage in "$@"; do
           | grep -v "^INFO" | tail -6 | tee "$OUT/megatrain_zoff.txt"
       python3 -c "import json,sys; print(*json.load(open(sys.argv[1]))['runs'][0].get('zoff_lines', []), sep='\n')" \
           "$OUT/megatrain_qwen25_7b_zoff.json" | cut -c1-700 ;;
+    megatrain_recompute)  # issue 53 item 1's curve: MegaTrain's configuration with the recomputed blocks pinned
+      # ($MEGATRAIN_BLOCKS, default "15 18 22"; "auto" chose 13 at e3a6f47 and 15 at 7649c47: 17.39 and 17.13 s a
+      # step), state placed by "auto" beside each; 3 measured steps after 1 (~100 s setup + ~70 s each run)
+      cap=$(python3 -c "import torch; t = torch.cuda.get_device_properties(0).total_memory / 2**30; print('--gpu-memory-gb 79.2' if t > 80 else '')")
+      for blocks in ${MEGATRAIN_BLOCKS:-15 18 22}; do
+        timeout 190 python3 scripts/bench/bench.py --config megatrain_qwen25_7b --runs zoff --warmup 1 --steps 3 $cap \
+            --zoff-option "activation_checkpointing_policy=$blocks" --run-timeout-s 185 \
+            --out "$OUT/megatrain_recompute_$blocks.json" 2>&1 | grep -v "^INFO" | grep -E "^ +zoff " \
+            | sed "s/^/blocks $blocks: /" | tee -a "$OUT/megatrain_recompute.txt"
+        python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['runs'][0]; t=r['telemetry_median']; print(
+            'blocks', r.get('recomputed_blocks'), 'GPU units', r['memory'].get('accelerator_units'), 'lent',
+            t.get('zoff/lent_units'), 'cpu_update_s %.3f between_s %.3f' % (t.get('zoff/cpu_update_s', 0),
+            t.get('zoff/between_s', 0)))" "$OUT/megatrain_recompute_$blocks.json" 2>&1 | tail -1 \
+            | tee -a "$OUT/megatrain_recompute.txt"
+      done ;;
     peers)  # the peers at their own headline configurations (issue 53), each part one bench call and one JSON, every
       # outcome recorded (time, gpu_oom, host_oom, timeout, unsupported). Needs .whl with transformers, DeepSpeed and
       # torchao (device_wheels.sh --with-deepspeed, scripts/device/hf_wheels.sh, scripts/device/torchao_wheels.sh).
