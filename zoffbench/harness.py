@@ -472,6 +472,7 @@ class StepMeasurement:
     gpu_reserved_by_stream: dict[str, dict[str, float]] | None = None  # at the last step's end: where the cache sits
     gpu_alloc_retry_causes: list[dict[str, Any]] | None = None  # ZOFF_BENCH_ALLOC_HISTORY=1: `alloc_history.py`
     gpu_step_peak: dict[str, Any] | None = None  # ... the most the last steps' own blocks held, by stream and site
+    gpu_idle: dict[str, Any] | None = None  # ZOFF_BENCH_PROFILE=1: the last step's idle GPU (`gpu_idle.py`)
     # torch's "active" peak: blocks allocated, or freed but not yet reusable (another stream's work on them pending),
     # which peak_gpu_gb no longer counts
     peak_gpu_active_gb: float | None = None

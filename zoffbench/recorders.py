@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from zoffbench import alloc_history
+from zoffbench import alloc_history, gpu_idle
 
 
 class StepRecorder(pl.Callback):
@@ -56,6 +56,8 @@ class WindowTimer(pl.Callback):
         self.reserved_by_stream: dict[str, dict[str, float]] | None = None
         self.retry_causes: list[dict[str, Any]] | None = None  # ZOFF_BENCH_ALLOC_HISTORY=1 (`alloc_history.py`)
         self.step_peak: dict[str, Any] | None = None  # ... and the blocks the steps held at their peak
+        self.gpu_idle: dict[str, Any] | None = None  # ZOFF_BENCH_PROFILE=1: the last step's (`gpu_idle.py`)
+        self._profiler: Any = None
         self.first_step_at: float | None = None  # the epoch time the first step started (setup ends there)
         self.step_start: float | None = None
         self.opt_start: float | None = None
@@ -98,6 +100,8 @@ class WindowTimer(pl.Callback):
             if self.windows is not None and len(self.steps) == self.windows - alloc_history.LAST_STEPS \
                     and alloc_history.wanted():
                 alloc_history.start()
+            if self.windows is not None and len(self.steps) == self.windows - 1 and gpu_idle.wanted():
+                self._profiler = gpu_idle.start()
             self.step_start = synchronized_now()
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
@@ -142,6 +146,8 @@ class WindowTimer(pl.Callback):
                     events = alloc_history.stop_and_read()
                     self.retry_causes = alloc_history.retry_causes(events)
                     self.step_peak = alloc_history.peak_live(events)
+                if self._profiler is not None:
+                    self.gpu_idle, self._profiler = gpu_idle.stop_and_read(self._profiler), None
         self.step_start, self.opt_start = None, None
 
 

@@ -400,7 +400,7 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
         deepspeed_config=deepspeed_config, recomputed_blocks=recomputed_blocks(trainer.strategy, module),
         gpu_alloc_retries_per_step=retries_per_step(timer.alloc_retries, timer.retries_before_first),
         gpu_reserved_by_stream=timer.reserved_by_stream, gpu_alloc_retry_causes=timer.retry_causes,
-        gpu_step_peak=timer.step_peak)
+        gpu_step_peak=timer.step_peak, gpu_idle=timer.gpu_idle)
     return run.entry(**measurement.fields())
 
 

@@ -1,0 +1,46 @@
+"""zoffbench/gpu_idle.py: the GPU's idle time and gaps in a profiled step, against intervals counted by hand."""
+
+import pytest
+import torch
+
+from zoffbench.gpu_idle import HostCall, idle_gaps, stop_and_read, summary
+
+
+def test_idle_gaps_are_the_holes_in_the_union_of_the_streams_work_named_by_the_host_calls_around_them():
+    busy = [(0.0, 1.0), (0.5, 2.0), (1.2, 1.5), (3.0, 4.0), (4.00005, 5.0)]  # two streams overlap up to 2.0
+    host = [HostCall("step", 0.0, 5.0, 1), HostCall("cudaStreamSynchronize", 1.9, 3.05, 1),
+            HostCall("launch", 2.5, 2.6, 1), HostCall("copy", 2.2, 2.4, 2), HostCall("later", 3.5, 3.6, 2)]
+    idle = idle_gaps(busy, host)
+    assert idle["span_s"] == 5.0
+    assert idle["gaps"] == 2  # 2.0-3.0 and 4.0-4.00005
+    assert idle["idle_s"] == pytest.approx(1.0 + 5e-5)
+    [gap] = idle["longest"]  # the 50 us gap is in the total only
+    assert gap["at_s"] == 2.0
+    assert gap["s"] == pytest.approx(1.0)
+    assert [name.split(" (")[0] for name in gap["covered_by"]] == ["cudaStreamSynchronize", "step"]  # innermost first
+    assert [name.split(" (")[0] for name in gap["started_in"]] == ["copy", "launch"]  # in the gap, longest first
+    assert gap["covered_by"][0] == "cudaStreamSynchronize (1150.00 ms, thread 1)"
+    assert idle["idle_by_host_call"] == {"cudaStreamSynchronize": pytest.approx(1.0)}
+
+
+def test_a_gap_no_host_call_covers_is_said_so():
+    idle = idle_gaps([(0.0, 1.0), (1.5, 2.0)], [HostCall("late", 1.2, 1.4, 1)])
+    assert idle["idle_by_host_call"] == {"(no host call)": pytest.approx(0.5)}
+    assert idle["longest"][0]["covered_by"] == []
+    assert idle["longest"][0]["started_in"][0].startswith("late")
+
+
+def test_a_profile_without_device_activity_reads_as_none():
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    profiler.start()
+    torch.ones(64, 64).sum()
+    assert stop_and_read(profiler) is None
+
+
+def test_the_summary_names_each_profiled_run_its_idle_share_and_what_the_host_did():
+    idle = idle_gaps([(0.0, 0.010), (0.012, 0.020)], [HostCall("aten::item", 0.009, 0.0125, 1)])
+    lines = summary({"runs": [{"name": "zoff", "accumulate": 1, "gpu_idle": idle}, {"name": "deepspeed"}]})
+    assert lines[0] == "zoff acc=1: GPU idle 2.0 ms of a 20.0 ms step (1 gaps)"
+    assert lines[1] == "  under aten::item: 2.0 ms"
+    assert lines[2].startswith("  gap 2.00 ms at 10.0 ms: covered by ['aten::item (3.50 ms, thread 1)']")
+    assert len(lines) == 3  # a run without a profile says nothing
