@@ -67,7 +67,9 @@ def _torch_update(rule, hp, step, param, grad, exp_avg, exp_avg_sq, grad_scale, 
         exp_avg.mul_(hp.beta2).add_(g, alpha=1 - hp.beta2)
     else:
         fused = fused_adam_step(decoupled=rule is UpdateRule.ADAMW)
-        step_tensor = torch.tensor(float(step), dtype=torch.float32, device=param.device)
+        # made on the device by a fill: `torch.tensor(step, device=...)` copies from pageable host memory, which
+        # waits for the stream's work first (a synchronize per parameter, each step)
+        step_tensor = torch.full((), float(step), dtype=torch.float32, device=param.device)
         fused([param], [g], [exp_avg], [exp_avg_sq], [], [step_tensor], lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2,
               weight_decay=hp.weight_decay, eps=hp.eps, amsgrad=False, maximize=False, grad_scale=None,
               found_inf=None)
