@@ -176,6 +176,12 @@ for stage in "$@"; do
       rm -rf /tmp/litgpt_bench
       left=$(( ${LITGPT_BUDGET:-580} - SECONDS ))
       [ $left -gt 120 ] && timeout $left $b --model Llama-3-8B --run-timeout-s $(( (left - 60) / 2 )) --out "$OUT/litgpt_full_llama3_8b.json" 2>&1 | grep -v "^INFO" | grep -E "^ *(zoff|litgpt|fsdp):|wrote" | tee -a "$OUT/litgpt_scripts.txt" ;;
+    litgpt_lora)  # issue 48: LitGPT's own finetune/lora.py on Llama-3-8B's config (random weights, a local instruction
+      # set), bf16-mixed, seq 2048, 20 iterations, under zoff and LitGPT's own choice; needs .whl with litgpt
+      rm -rf /tmp/litgpt_bench
+      timeout 585 python3 scripts/bench/bench_litgpt_scripts.py --script lora --model Llama-3-8B --seq 2048 --iters 20 \
+          --work /tmp/litgpt_bench --run-timeout-s 250 --out "$OUT/litgpt_lora_llama3_8b.json" 2>&1 | grep -v "^INFO" \
+          | grep -E "^ *(zoff|litgpt|fsdp):|wrote" | tee "$OUT/litgpt_lora.txt" ;;
     users_launch)  # what users launch: Llama-3-8B's and Qwen3-14B's shapes at seq 4096, 4 loader workers (needs .whl
       # with transformers and DeepSpeed). Parts in $USERS_PARTS (default all, in this order), $USERS_STEPS measured steps
       # (default 20; 3 for a smoke run), within $USERS_BUDGET seconds (default 585: one device call): a part's runs get
