@@ -44,3 +44,14 @@ def test_the_summary_names_each_profiled_run_its_idle_share_and_what_the_host_di
     assert lines[1] == "  under aten::item: 2.0 ms"
     assert lines[2].startswith("  gap 2.00 ms at 10.0 ms: covered by ['aten::item (3.50 ms, thread 1)']")
     assert len(lines) == 3  # a run without a profile says nothing
+
+
+def test_a_profile_that_cannot_be_read_is_reported_not_raised():
+    class Broken:
+        def stop(self):
+            raise RuntimeError("CUPTI is busy")
+
+    idle = stop_and_read(Broken())
+    assert idle == {"error": "RuntimeError: CUPTI is busy"}
+    assert summary({"runs": [{"name": "zoff", "gpu_idle": idle}]}) == [
+        "zoff: the profile could not be read: RuntimeError: CUPTI is busy"]

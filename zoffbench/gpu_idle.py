@@ -45,7 +45,14 @@ def start() -> torch.profiler.profile:
 
 def stop_and_read(profiler: torch.profiler.profile) -> dict[str, Any] | None:
     """Stop `profiler` and read what it saw: `idle_gaps` of its device activity and host calls (None without any
-    device activity)."""
+    device activity; `{"error": ...}` where reading failed: a diagnosis never ends the run it diagnoses)."""
+    try:
+        return _read(profiler)
+    except Exception as error:  # reported in the JSON instead
+        return {"error": f"{type(error).__name__}: {error}"}
+
+
+def _read(profiler: torch.profiler.profile) -> dict[str, Any] | None:
     profiler.stop()
     results = profiler.profiler.kineto_results if profiler.profiler is not None else None
     events = results.events() if results is not None else []
@@ -106,6 +113,9 @@ def summary(result: dict[str, Any]) -> list[str]:
     for run in result.get("runs", []):
         idle = run.get("gpu_idle")
         if not idle:
+            continue
+        if "error" in idle:
+            lines.append(f"{run['name']}: the profile could not be read: {idle['error']}")
             continue
         lines.append(f"{run['name']} acc={run.get('accumulate')}: GPU idle {idle['idle_s'] * 1e3:.1f} ms of a"
                      f" {idle['span_s'] * 1e3:.1f} ms step ({idle['gaps']} gaps)")
