@@ -13,6 +13,7 @@ import bisect
 import heapq
 import itertools
 import os
+import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -36,10 +37,15 @@ def wanted() -> bool:
     return os.environ.get("ZOFF_BENCH_PROFILE") == "1" and torch.cuda.is_available()
 
 
-def start() -> torch.profiler.profile:
+def start() -> torch.profiler.profile | None:
+    """A profiler of host and CUDA activity, started; None where it cannot start (said on stderr)."""
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                   torch.profiler.ProfilerActivity.CUDA])
-    profiler.start()
+    try:
+        profiler.start()
+    except Exception as error:  # a diagnosis never ends the run it diagnoses
+        print(f"ZOFF_BENCH_PROFILE: the profiler did not start: {type(error).__name__}: {error}", file=sys.stderr)
+        return None
     return profiler
 
 
@@ -128,7 +134,6 @@ def summary(result: dict[str, Any]) -> list[str]:
 
 if __name__ == "__main__":  # python -m zoffbench.gpu_idle RESULT.json ...: the summary of each
     import json
-    import sys
     from pathlib import Path
 
     for path in sys.argv[1:]:
