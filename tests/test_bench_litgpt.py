@@ -39,6 +39,9 @@ def test_litgpts_finetune_scripts_under_zoff_and_litgpts_choice(tmp_path, script
         assert len(run["iter_s"]) == len(run["losses"]) == 4
         assert run["s_per_iter"] > 0
         assert run["host_tree_peak_gb"] > 0
+        # zoff's own setup lines (where the state went), which the captured output would otherwise hide
+        placed = [line for line in run["zoff_lines"] if line.startswith("zoff rank 0: state: ")]
+        assert bool(placed) == (run["strategy"] == "zoff"), run["zoff_lines"]
         # what LitGPT saved at the end, read as its tools read it: full trained every tensor; LoRA (merged into the
         # frozen base) only the attention's qkv weights, which hold its query and value adapters
         base = torch.load(tmp_path / "work" / "base" / "lit_model.pth")

@@ -78,7 +78,7 @@ from pathlib import Path
 
 from zoffbench import configs
 from zoffbench.deepspeed_runs import DEEPSPEED_RUNS, RATIOS
-from zoffbench.harness import RunFailure, outcome_of, run_function
+from zoffbench.harness import RunFailure, outcome_of, run_function, zoff_lines
 from zoffbench.model_shapes import MODEL_NAMES
 from zoffbench.results import describe, machine, result_path, write_result
 from zoffbench.runs import DEFAULT_RUNS, RUNS, bench_run, run_one, unsupported_here
@@ -135,12 +135,6 @@ def run_child(args: argparse.Namespace, name: str, accumulate: int, steps: int, 
                 "zoff_lines": zoff_lines(child.stderr)}
     error = child.failure()
     return run.entry(**RunFailure(error, outcome_of(error), child.stderr[-2000:]).fields(), **host)
-
-
-def zoff_lines(output: str, most: int = 20) -> list[str]:
-    """zoff's own lines in a run's output, as its node logged them: the plan's step, the blocks recomputed and why,
-    where the state went."""
-    return [line[line.index("zoff rank"):] for line in output.splitlines() if "zoff rank" in line][:most]
 
 
 def smallest_fitting_ratio(ratios: list[float], try_ratio: Callable[[float], str]) -> tuple[float | None, list]:

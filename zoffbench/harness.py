@@ -197,6 +197,12 @@ def failure_line(stderr: str, returncode: int) -> str:
     return line[:600]
 
 
+def zoff_lines(output: str, most: int = 20) -> list[str]:
+    """zoff's own lines in a run's output, as its node logged them: the plan's step, the blocks recomputed and why,
+    where the state went."""
+    return [line[line.index("zoff rank"):] for line in output.splitlines() if "zoff rank" in line][:most]
+
+
 def outcome_of(error: str) -> str:
     """"refused" (zoff's plan, at setup), "gpu_oom", "host_oom", "timeout" or "error" for a failure_line."""
     if "PlanDoesNotFit" in error:

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from zoffbench.harness import outcome_of, report, run_function
+from zoffbench.harness import outcome_of, report, run_function, zoff_lines
 from zoffbench.results import write_result
 
 STRATEGIES = ("zoff", "litgpt", "fsdp")
@@ -55,11 +55,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         kwargs = dict(script=args.script, strategy=strategy, devices=args.devices, precision=args.precision,
                       base=str(base), data=str(data), out=str(work / f"out_{strategy}"), seq=args.seq,
                       iters=args.iters)
-        run = run_function(train, kwargs, output="echo", timeout_s=args.run_timeout_s, pss_interval_s=2.0)
+        run = run_function(train, kwargs, output="capture", timeout_s=args.run_timeout_s, pss_interval_s=2.0)
         entry: dict[str, Any] = dict(script=args.script, model=args.model, n_layer=args.n_layer, params=params,
                                      strategy=strategy, devices=args.devices, seq=args.seq, iters=args.iters,
                                      wall_s=run.wall_s, host_tree_peak_gb=run.peak_tree_rss / 1e9,
-                                     host_tree_peak_pss_gb=(run.peak_tree_pss or 0) / 1e9)
+                                     host_tree_peak_pss_gb=(run.peak_tree_pss or 0) / 1e9,
+                                     zoff_lines=zoff_lines(run.stderr))
         result = run.results.get(0)
         if run.ok and result is not None:
             measured = result["iter_s"][args.warmup:] or result["iter_s"]
