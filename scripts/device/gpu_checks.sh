@@ -15,6 +15,9 @@ if [ -d .whl ]; then
   DEPS=/tmp/site:
 fi
 export PYTHONPATH=$DEPS$PWD  # the scripts import the lightning_zoff of the tree they run in
+h100_cap() {  # bench.py's argument capping a GPU larger than an H100 at its 79.2 GiB (the plan reads the cap): none on one
+  python3 -c "import torch; t = torch.cuda.get_device_properties(0).total_memory / 2**30; print('--gpu-memory-gb 79.2' if t > 80 else '')"
+}
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
@@ -217,7 +220,7 @@ for stage in "$@"; do
     megatrain_zoff)  # issue 53's first figure alone: zoff at MegaTrain's Qwen2.5-7B configuration (4 workers, default
       # options), 5 steps; on a GPU larger than an H100's 80 GB the allocator is capped at the H100's 79.2 GiB (the plan
       # reads the cap), so the plan chooses as on the H100; the compute is the larger card's
-      cap=$(python3 -c "import torch; t = torch.cuda.get_device_properties(0).total_memory / 2**30; print('--gpu-memory-gb 79.2' if t > 80 else '')")
+      cap=$(h100_cap)
       timeout 280 python3 scripts/bench/bench.py --config megatrain_qwen25_7b --runs zoff --warmup 1 --steps 5 $cap \
           --run-timeout-s 270 --out "$OUT/megatrain_qwen25_7b_zoff.json" 2>&1 | tee "$OUT/megatrain_zoff.log" \
           | grep -v "^INFO" | tail -6 | tee "$OUT/megatrain_zoff.txt"
@@ -226,7 +229,7 @@ for stage in "$@"; do
     megatrain_recompute)  # issue 53 item 1's curve: MegaTrain's configuration with the recomputed blocks pinned
       # ($MEGATRAIN_BLOCKS, default "15 18 22"; "auto" chose 13 at e3a6f47 and 15 at 7649c47: 17.39 and 17.13 s a
       # step), state placed by "auto" beside each; 3 measured steps after 1 (~100 s setup + ~70 s each run)
-      cap=$(python3 -c "import torch; t = torch.cuda.get_device_properties(0).total_memory / 2**30; print('--gpu-memory-gb 79.2' if t > 80 else '')")
+      cap=$(h100_cap)
       for blocks in ${MEGATRAIN_BLOCKS:-15 18 22}; do
         timeout 190 python3 scripts/bench/bench.py --config megatrain_qwen25_7b --runs zoff --warmup 1 --steps 3 $cap \
             --zoff-option "activation_checkpointing_policy=$blocks" --run-timeout-s 185 \
@@ -245,7 +248,7 @@ for stage in "$@"; do
       export ZOFF_BENCH_PROFILE=1
       timeout 200 python3 scripts/bench/bench.py --model gpt1b --batch 1 --accumulate 1 --runs gpu_only zoff --steps 8 \
           --warmup 3 --run-timeout-s 95 --out "$OUT/idle_gpt1b_b1.json" 2>&1 | grep -v "^INFO" | tail -5 | tee "$OUT/idle_profile.txt"
-      cap=$(python3 -c "import torch; t = torch.cuda.get_device_properties(0).total_memory / 2**30; print('--gpu-memory-gb 79.2' if t > 80 else '')")
+      cap=$(h100_cap)
       timeout 330 python3 scripts/bench/bench.py --config megatrain_qwen25_7b --runs zoff --warmup 1 --steps 2 $cap \
           --run-timeout-s 320 --out "$OUT/idle_megatrain.json" 2>&1 | grep -v "^INFO" | tail -3 | tee -a "$OUT/idle_profile.txt"
       unset ZOFF_BENCH_PROFILE
