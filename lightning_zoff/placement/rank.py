@@ -310,11 +310,8 @@ def in_forward_order(shapes: list[UnitShape], forward: Sequence[str]) -> list[Un
 
 def gathered_bytes(model: nn.Module, units: list[Unit], param_bytes: int, order: Sequence[str],
                    world_size: int = 1) -> int:
-    """FSDP2's share of a step on the accelerator, from the units' sizes in forward order (`order`), at its most: when
-    a unit reduces in backward, its gathered parameters and the next one's (prefetched), its unsharded gradient, a
-    reduce-scatter input (FSDP2 keeps the last unit's until this one reduces, then copies this one's), and this rank's
-    reduced shards of the last `REDUCED_IN_FLIGHT` + 2 units to reduce: those whose copy may be pending (`landing.py`),
-    the one whose `.grad`s FSDP2 still holds, this one's. In forward only the first two are held."""
+    """FSDP2's share of a step on the accelerator at its most, from the units' sizes in forward order (`order`):
+    `UnitBuffers.most`, for callers that have no `UnitBuffers` (find_largest's model of a size)."""
     return UnitBuffers.of(model, units, param_bytes, order, world_size).most
 
 
