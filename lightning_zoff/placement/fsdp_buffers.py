@@ -74,17 +74,27 @@ class Fsdp2Buffers:
 
     def __init__(self, units: UnitBuffers) -> None:
         self.units = units
-        self.in_backward = False
+        self._in_backward = False
+        self._now: int | None = None  # `now()` as of the last change: the trace asks at every allocation
         self._arrived = [0] * len(units.sizes)  # gradients of each unit that arrived
         self._held = [0] * len(units.sizes)  # bytes of each unit's unsharded gradient, until it reduces
         self._reduced = [False] * len(units.sizes)
         self._scatter_input = 0  # the last reduced unit's reduce-scatter input, kept until the next one reduces
         self._shards: deque[int] = deque(maxlen=REDUCED_IN_FLIGHT + 2)  # reduced shards whose copy may be pending
 
+    @property
+    def in_backward(self) -> bool:
+        return self._in_backward
+
+    @in_backward.setter
+    def in_backward(self, value: bool) -> None:
+        self._in_backward, self._now = value, None
+
     def now(self) -> int:
-        if not self.in_backward:
-            return self.units.forward_most
-        return self._gathered() + sum(self._held) + self._scatter_input + sum(self._shards)
+        if self._now is None:
+            self._now = (self._gathered() + sum(self._held) + self._scatter_input + sum(self._shards)
+                         if self._in_backward else self.units.forward_most)
+        return self._now
 
     def grad_arrived(self, unit: int, nbytes: int) -> int:
         """A gradient of `nbytes` of `unit` was accumulated (the trace frees it: FSDP2 keeps it in the unit's
@@ -93,6 +103,7 @@ class Fsdp2Buffers:
         went first), as `rank.gathered_bytes` counts a reduce."""
         self._arrived[unit] += 1
         self._held[unit] += nbytes
+        self._now = None
         if self._arrived[unit] < self.units.trained[unit]:
             return self.now()
         self._scatter_input = 0
@@ -100,6 +111,7 @@ class Fsdp2Buffers:
         peak = self.now() + self.units.sizes[unit]
         self._scatter_input, self._held[unit] = self.units.sizes[unit], 0
         self._reduced[unit] = True
+        self._now = None
         return peak
 
     def _gathered(self) -> int:
