@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from zoffbench.gpu_idle import HostCall, idle_gaps, stop_and_read, summary
+from zoffbench.gpu_idle import KERNELS, NAME_CHARS, HostCall, busy_by_kernel, idle_gaps, stop_and_read, summary
 
 
 def test_idle_gaps_are_the_holes_in_the_union_of_the_streams_work_named_by_the_host_calls_around_them():
@@ -44,6 +44,20 @@ def test_the_summary_names_each_profiled_run_its_idle_share_and_what_the_host_di
     assert lines[1] == "  under aten::item: 2.0 ms"
     assert lines[2].startswith("  gap 2.00 ms at 10.0 ms: covered by ['aten::item (3.50 ms, thread 1)']")
     assert len(lines) == 3  # a run without a profile says nothing
+
+
+def test_the_gpu_time_is_summed_by_kernel_longest_first_with_long_names_cut():
+    template = "void at::native::elementwise_kernel<" + "x" * 500
+    kernels = [("gemm", 0.004), ("copy", 0.001), ("gemm", 0.003), (template + "A", 0.002), (template + "B", 0.0035)]
+    kernels += [(f"tiny{i}", 1e-6) for i in range(KERNELS)]
+    busy = busy_by_kernel(kernels)
+    assert len(busy) == KERNELS
+    assert busy[0] == {"name": "gemm", "s": pytest.approx(0.007), "count": 2}
+    assert busy[1] == {"name": template[:NAME_CHARS], "s": pytest.approx(0.0055), "count": 2}  # one name once cut
+    assert busy[2] == {"name": "copy", "s": pytest.approx(0.001), "count": 1}
+    idle = {**idle_gaps([(0.0, 0.01)], []), "busy_by_kernel": busy}
+    lines = summary({"runs": [{"name": "zoff", "accumulate": 1, "gpu_idle": idle}]})
+    assert lines[1] == "  busy 7.0 ms in 2 x gemm"
 
 
 def test_a_profile_that_cannot_be_read_is_reported_not_raised():

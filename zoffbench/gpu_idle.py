@@ -4,7 +4,8 @@ profiles its last optimizer step (torch.profiler, host and CUDA activity; for di
 so take timings from a run without it), and its JSON gets `gpu_idle`: the step's span on the GPU, the time in it no
 kernel, copy or fill ran on the GPU, and the longest idle gaps, each with the host calls that covered it (innermost
 first: the wait or the work the GPU waited for) and those that started in it; and the idle time summed by the
-innermost host call covering each gap (`idle_by_host_call`).
+innermost host call covering each gap (`idle_by_host_call`); and the GPU's busy time summed by kernel (`busy_by_kernel`,
+the longest first: where a step's GPU work goes when the GPU is never idle, as zoff's gpt1b at batch 1 was).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import torch
 GAPS = 12  # the longest idle gaps reported
 LEAST_S = 1e-4  # shorter gaps count in the idle total, not in the list or the sums by host call
 CALLS = 3  # host calls named per gap, of each kind
+KERNELS = 15  # the kernels (by name) with the most GPU time reported
+NAME_CHARS = 90  # a kernel's name is cut there: C++ templates make names of thousands of characters
 
 
 @dataclass(frozen=True)
@@ -62,14 +65,27 @@ def _read(profiler: torch.profiler.profile) -> dict[str, Any] | None:
     profiler.stop()
     results = profiler.profiler.kineto_results if profiler.profiler is not None else None
     events = results.events() if results is not None else []
-    busy, host = [], []
+    busy, host, kernels = [], [], []
     for event in events:
         start, end = event.start_ns() / 1e9, event.end_ns() / 1e9
         if event.device_type() == torch.autograd.DeviceType.CUDA:
             busy.append((start, end))
+            kernels.append((event.name(), end - start))
         elif end > start:
             host.append(HostCall(event.name(), start, end, int(event.start_thread_id())))
-    return idle_gaps(busy, host) if busy else None
+    return {**idle_gaps(busy, host), "busy_by_kernel": busy_by_kernel(kernels)} if busy else None
+
+
+def busy_by_kernel(kernels: list[tuple[str, float]]) -> list[dict[str, Any]]:
+    """The GPU time of `kernels` (name, seconds) summed by name (cut to `NAME_CHARS`), the `KERNELS` longest, each with
+    how many ran; on several streams at once their sum may exceed the step."""
+    seconds: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for name, duration in kernels:
+        seconds[name[:NAME_CHARS]] += duration
+        count[name[:NAME_CHARS]] += 1
+    longest = heapq.nlargest(KERNELS, seconds, key=seconds.__getitem__)
+    return [{"name": name, "s": seconds[name], "count": count[name]} for name in longest]
 
 
 def idle_gaps(busy: list[tuple[float, float]], host: list[HostCall]) -> dict[str, Any]:
@@ -129,6 +145,8 @@ def summary(result: dict[str, Any]) -> list[str]:
                   list(idle["idle_by_host_call"].items())[:6]]
         lines += [f"  gap {gap['s'] * 1e3:.2f} ms at {gap['at_s'] * 1e3:.1f} ms: covered by {gap['covered_by'][:2]},"
                   f" started in it {gap['started_in'][:2]}" for gap in idle["longest"][:5]]
+        lines += [f"  busy {kernel['s'] * 1e3:.1f} ms in {kernel['count']} x {kernel['name']}"
+                  for kernel in idle.get("busy_by_kernel", [])[:8]]
     return lines
 
 
