@@ -5,10 +5,12 @@ Qwen2.5-7B runs 18) the recompute is the dearer; with one, the host's update.
 
 Both rates are measured at setup, in tens of milliseconds: the accelerator's on a bf16 matrix product, and the host's
 fused update over more elements than a cache holds (timed by the optimizer package, which placement does not load).
-The recompute side holds on the GPU (1x H100, 2026-12-07: 75-83 ms a block estimated, 90 measured); the displaced side
-does not: at MegaTrain's configuration one unit more on the host (233M elements) made the exposed update 0.76-0.93 s
-longer, where its update alone is about 0.07 s (bench/README.md, "The moment-wise step on the GPU"). Until a measured
-curve says what a moved unit costs, the trade leans to keeping activations where it should not.
+The recompute side holds on the GPU (1x H100, 2026-12-07: 75-83 ms a block estimated, about 90 measured). The
+displaced side counts a unit's host update as wholly exposed, and the measured curve at MegaTrain's configuration
+does not contradict the choice it makes: on one lent H100, "auto" recomputed 13 of 28 blocks and ran 16.3 s a step
+(2 profiled steps), 15, 18 and 22 blocks pinned ran 16.8, 16.8 and 17.4 (bench/README.md, "The recompute curve"). On
+another, whose host update ran at 68-77 GB/s where this one's ran at 115-270, the same 13 blocks ran 17.4-17.7 s: what
+a unit on the host costs is the host's, and the trade reads the host's rate at setup.
 """
 
 from __future__ import annotations

@@ -244,15 +244,25 @@ for stage in "$@"; do
     idle_profile)  # where the GPU idles in a step (zoffbench/gpu_idle.py: ZOFF_BENCH_PROFILE=1 profiles each run's
       # last step, which the profiler slows): gpt1b at batch 1 (2,048 tokens an iteration, as LitGPT's full.py ran 48 ms
       # slower under zoff than LitGPT's own, 2026-12-07) beside GPU-only; then MegaTrain's configuration (0.6 s a step
-      # between phases), 2 steps after 1
+      # between phases), 2 steps after 1; $IDLE_PARTS picks (default "gpt1b megatrain")
       export ZOFF_BENCH_PROFILE=1
-      timeout 200 python3 scripts/bench/bench.py --model gpt1b --batch 1 --accumulate 1 --runs gpu_only zoff --steps 8 \
-          --warmup 3 --run-timeout-s 95 --out "$OUT/idle_gpt1b_b1.json" 2>&1 | grep -v "^INFO" | tail -5 | tee "$OUT/idle_profile.txt"
-      cap=$(h100_cap)
-      timeout 330 python3 scripts/bench/bench.py --config megatrain_qwen25_7b --runs zoff --warmup 1 --steps 2 $cap \
-          --run-timeout-s 320 --out "$OUT/idle_megatrain.json" 2>&1 | grep -v "^INFO" | tail -3 | tee -a "$OUT/idle_profile.txt"
+      profiled=()
+      for part in ${IDLE_PARTS:-gpt1b megatrain}; do
+        case $part in
+          gpt1b) file=$OUT/idle_gpt1b_b1.json
+                 timeout 200 python3 scripts/bench/bench.py --model gpt1b --batch 1 --accumulate 1 --runs gpu_only zoff \
+                     --steps 8 --warmup 3 --run-timeout-s 95 --out "$file" 2>&1 | grep -v "^INFO" \
+                     | tail -5 | tee -a "$OUT/idle_profile.txt" ;;
+          megatrain) file=$OUT/idle_megatrain.json
+                     timeout 330 python3 scripts/bench/bench.py --config megatrain_qwen25_7b --runs zoff --warmup 1 \
+                         --steps 2 $(h100_cap) --run-timeout-s 320 --out "$file" 2>&1 \
+                         | grep -v "^INFO" | tail -3 | tee -a "$OUT/idle_profile.txt" ;;
+          *) echo "idle_profile: unknown part $part (gpt1b megatrain)"; continue ;;
+        esac
+        profiled+=("$file")
+      done
       unset ZOFF_BENCH_PROFILE
-      python3 -m zoffbench.gpu_idle "$OUT/idle_gpt1b_b1.json" "$OUT/idle_megatrain.json" 2>&1 | cut -c1-400 | tee -a "$OUT/idle_profile.txt" ;;
+      python3 -m zoffbench.gpu_idle "${profiled[@]}" 2>&1 | cut -c1-400 | tee -a "$OUT/idle_profile.txt" ;;
     peers)  # the peers at their own headline configurations (issue 53), each part one bench call and one JSON, every
       # outcome recorded (time, gpu_oom, host_oom, timeout, unsupported). Needs .whl with transformers, DeepSpeed and
       # torchao (device_wheels.sh --with-deepspeed, scripts/device/hf_wheels.sh, scripts/device/torchao_wheels.sh).
