@@ -1,5 +1,7 @@
 """zoffbench/gpu_idle.py: the GPU's idle time and gaps in a profiled step, against intervals counted by hand."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -58,6 +60,53 @@ def test_the_gpu_time_is_summed_by_kernel_longest_first_with_long_names_cut():
     idle = {**idle_gaps([(0.0, 0.01)], []), "busy_by_kernel": busy}
     lines = summary({"runs": [{"name": "zoff", "accumulate": 1, "gpu_idle": idle}]})
     assert lines[1] == "  busy 7.0 ms in 2 x gemm"
+
+
+class _Event:
+    """What `_read` asks of a profiler's event."""
+
+    def __init__(self, name, start_ms, end_ms, activity, cuda=True):
+        self._name, self._start, self._end, self._activity, self._cuda = name, start_ms, end_ms, activity, cuda
+
+    def name(self):
+        return self._name
+
+    def start_ns(self):
+        return int(self._start * 1e6)
+
+    def end_ns(self):
+        return int(self._end * 1e6)
+
+    def activity_type(self):
+        return self._activity
+
+    def device_type(self):
+        return torch.autograd.DeviceType.CUDA if self._cuda else torch.autograd.DeviceType.CPU
+
+    def start_thread_id(self):
+        return 1
+
+
+class _Profiled:
+    """A stopped profiler holding `events`."""
+
+    def __init__(self, events):
+        self.profiler = SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events))
+
+    def stop(self):
+        pass
+
+
+def test_gpu_side_annotations_are_neither_busy_time_nor_kernels():
+    events = [_Event("Optimizer.step#AdamW.step", 0.0, 10.0, "gpu_user_annotation"),  # spans the idle 2-7.5 ms
+              _Event("gemm", 0.0, 2.0, "kernel"), _Event("Memcpy DtoD", 7.5, 9.0, "gpu_memcpy"),
+              _Event("Memset", 9.0, 10.0, "gpu_memset"), _Event("cudaStreamSynchronize", 2.0, 8.0, "cuda_runtime",
+                                                                  cuda=False)]
+    idle = stop_and_read(_Profiled(events))
+    assert idle["span_s"] == pytest.approx(0.010)
+    assert idle["idle_s"] == pytest.approx(0.0055)
+    assert idle["idle_by_host_call"] == {"cudaStreamSynchronize": pytest.approx(0.0055)}
+    assert [kernel["name"] for kernel in idle["busy_by_kernel"]] == ["gemm", "Memcpy DtoD", "Memset"]
 
 
 def test_a_profile_that_cannot_be_read_is_reported_not_raised():

@@ -26,6 +26,9 @@ LEAST_S = 1e-4  # shorter gaps count in the idle total, not in the list or the s
 CALLS = 3  # host calls named per gap, of each kind
 KERNELS = 15  # the kernels (by name) with the most GPU time reported
 NAME_CHARS = 90  # a kernel's name is cut there: C++ templates make names of thousands of characters
+# what the GPU runs, by the profiler's activity type; its GPU-side user annotations ("Optimizer.step#AdamW.step",
+# "FSDP::pre_forward") span the kernels launched under them and the idle time between, so they are not work
+DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 @dataclass(frozen=True)
@@ -69,8 +72,9 @@ def _read(profiler: torch.profiler.profile) -> dict[str, Any] | None:
     for event in events:
         start, end = event.start_ns() / 1e9, event.end_ns() / 1e9
         if event.device_type() == torch.autograd.DeviceType.CUDA:
-            busy.append((start, end))
-            kernels.append((event.name(), end - start))
+            if event.activity_type() in DEVICE_WORK:
+                busy.append((start, end))
+                kernels.append((event.name(), end - start))
         elif end > start:
             host.append(HostCall(event.name(), start, end, int(event.start_thread_id())))
     return {**idle_gaps(busy, host), "busy_by_kernel": busy_by_kernel(kernels)} if busy else None
