@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -148,3 +149,56 @@ def test_accelerator_path_agrees_with_the_kernel(rule_name, moment_dtype):
     assert (out_a.float() - out_b.float()).abs().max() <= 2 ** -7 * a[0].abs().max()
     assert a[1].dtype == b[1].dtype == moment_dtype  # the torch path keeps bf16 moments bf16, rounded alike
     torch.testing.assert_close(a[1].float(), b[1].float(), rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("rule_name", ["ADAMW", "ADAM", "LION"])
+@pytest.mark.parametrize("moment_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("maximize", [False, True])
+def test_updating_many_runs_at_once_gives_the_bits_of_one_update_each(rule_name, moment_dtype, maximize):
+    # the accelerator's units update all of a run's parameters in one fused call (`update_many`): against `update`
+    # on each, bit for bit, over a few steps with a grad scale
+    from lightning_zoff.optim.rules import GroupHyperparams, UpdateRule
+    from lightning_zoff.optim.update import update, update_many
+
+    rule = UpdateRule[rule_name]
+    hp = GroupHyperparams(lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, maximize=maximize)
+    g = torch.Generator().manual_seed(1)
+    sizes = [257, 1, 4096, 33]
+    state = [torch.randn(sum(sizes), generator=g) for _ in range(3)]
+    state[2] = state[2].abs()
+    state[1:] = [t.to(moment_dtype) for t in state[1:]]
+    one, many = [t.clone() for t in state], [t.clone() for t in state]
+    second = rule is not UpdateRule.LION
+    for step in range(1, 5):
+        grads = [torch.randn(n, generator=g).to(torch.bfloat16) for n in sizes]
+        rows = [slice(sum(sizes[:i]), sum(sizes[: i + 1])) for i in range(len(sizes))]
+        for r, grad in zip(rows, grads, strict=True):
+            update(rule, hp, step, one[0][r], grad, one[1][r], one[2][r] if second else None, grad_scale=0.25,
+                   on_host=False)
+        update_many(rule, hp, step, [many[0][r] for r in rows], grads, [many[1][r] for r in rows],
+                    [many[2][r] for r in rows] if second else None, grad_scale=0.25)
+    for a, b in zip(one, many, strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(one[0], state[0])  # the steps changed the parameters
+
+
+def test_an_accelerator_units_run_is_updated_in_batches_bounded_by_the_workspace():
+    from lightning_zoff.offload.updates import _batches
+
+    pieces = [(offset, torch.empty(n)) for offset, n in [(0, 3), (3, 4), (7, 10), (17, 2), (19, 1), (20, 6)]]
+    batches = _batches(pieces, 8)
+    assert [[offset for offset, _ in batch] for batch in batches] == [[0, 3], [7], [17, 19], [20]]
+
+
+def test_the_sum_of_squares_of_an_accelerator_units_shards_against_fp64():
+    from lightning_zoff.offload.grad_math import sum_of_squares_of
+
+    g = torch.Generator().manual_seed(2)
+    shards = [torch.randn(n, generator=g).to(torch.bfloat16) for n in (1000, 1, 37)]
+    expected = sum(float(t.double().square().sum()) for t in shards)
+    assert sum_of_squares_of(shards) == pytest.approx(expected, rel=1e-6)
+    assert sum_of_squares_of([]) == 0.0
+    shards[2][5] = float("inf")
+    assert sum_of_squares_of(shards) == float("inf")
+    shards[0][0] = float("nan")
+    assert math.isnan(sum_of_squares_of(shards))

@@ -33,9 +33,9 @@ def sum_of_squares(grad: torch.Tensor, spans: list[tuple[int, int]], *, kernel: 
 
 
 def sum_of_squares_of(tensors: list[torch.Tensor]) -> float:
-    """Of every element of `tensors` (accelerator tensors: one wait for the accelerator, not one per tensor); inf or
-    NaN when any is not finite."""
+    """Of every element of `tensors` (accelerator tensors: one multi-tensor norm and one wait for the accelerator, not
+    a launch and a wait per tensor); inf or NaN when any is not finite."""
     if not tensors:
         return 0.0
-    norms = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]).double()
+    norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).double()
     return float(norms.square().sum().item())

@@ -126,11 +126,13 @@ class GradientLanding:
     def _write_over_shards(unit: UnitState, flat_grad: torch.Tensor) -> None:
         """A window of one micro-batch on the accelerator: copy each trained parameter's gradient over its own shard
         (FSDP2 reads the shards again only in the next forward, which waits for the step's update; until then a shard
-        is just the cast of its master) and let FSDP2's reduced shard go with the next unit's arrival. The accelerator
-        then holds no gradient of its units until the step, instead of one per parameter of every such unit."""
-        for param in unit.trained:
-            local = param.slot.local
-            local.view(-1).copy_(flat_grad[param.slot.offset : param.slot.offset + local.numel()])
+        is just the cast of its master; one multi-tensor copy, not a launch each) and let FSDP2's reduced shard go with
+        the next unit's arrival. The accelerator then holds no gradient of its units until the step, instead of one per
+        parameter of every such unit."""
+        shards = [param.slot.local.view(-1) for param in unit.trained]
+        if shards:  # (torch refuses an empty list)
+            torch._foreach_copy_(shards, [flat_grad[param.slot.offset : param.slot.offset + shard.numel()]
+                                          for param, shard in zip(unit.trained, shards, strict=True)])
         unit.grad_in_shards = True
 
     @staticmethod

@@ -17,7 +17,7 @@ from lightning_zoff.offload.lending import LentUpdates
 from lightning_zoff.offload.scheduler import HostScheduler
 from lightning_zoff.offload.unit_state import Phase, TrainedParam, UnitState, UpdateKey, kernel_runs
 from lightning_zoff.optim.rules import GroupHyperparams, UpdateRule
-from lightning_zoff.optim.update import update
+from lightning_zoff.optim.update import update, update_many
 from lightning_zoff.placement import Placement
 from lightning_zoff.placement.plan import UPDATE_PIECE
 
@@ -128,20 +128,25 @@ class UnitUpdates:
         return (seconds / elements, elements) if elements else None
 
     def _update_from_shards(self, unit: UnitState, key: UpdateKey) -> None:
-        """The update of an accelerator unit whose gradient is in FSDP2's shards (`grad_in_shards`): each parameter of
-        each run in turn, in pieces; `_send` then casts the masters over the shards."""
+        """The update of an accelerator unit whose gradient is in FSDP2's shards (`grad_in_shards`): the parameters of
+        the runs with the same group and step together (their shards are apart, so a run's contiguity does not bind
+        them), in batches of at most `UPDATE_PIECE` elements (a larger parameter alone, in pieces), one fused call a
+        batch; `_send` then casts the masters over the shards."""
         state = unit.state
+        alike: dict[tuple[int, int], tuple[GroupHyperparams, list[tuple[int, torch.Tensor]]]] = {}
         for run, hyper in zip(key.runs, key.hyper, strict=True):
+            pieces = alike.setdefault((run.group_index, run.step), (hyper, []))[1]  # (state offset, gradient piece)
             for param in unit.trained:
-                if not run.grad_start <= param.slot.offset < run.grad_start + run.numel:
-                    continue
-                grad = param.slot.local.view(-1)
-                for offset in range(0, grad.numel(), UPDATE_PIECE):
-                    s = param.state_offset + offset
-                    e = s + min(UPDATE_PIECE, grad.numel() - offset)
-                    update(self.rule, hyper, run.step, state[0][s:e], grad[offset : offset + e - s], state[1][s:e],
-                           None if len(state) == 2 else state[2][s:e], grad_scale=key.scale, threads=self.threads,
-                           on_host=False)
+                if run.grad_start <= param.slot.offset < run.grad_start + run.numel:
+                    grad = param.slot.local.view(-1)
+                    pieces += [(param.state_offset + offset, grad[offset : offset + UPDATE_PIECE])
+                               for offset in range(0, grad.numel(), UPDATE_PIECE)]
+        for (_, step), (hyper, pieces) in alike.items():
+            for batch in _batches(pieces, UPDATE_PIECE):
+                rows = [slice(s, s + grad.numel()) for s, grad in batch]
+                update_many(self.rule, hyper, step, [state[0][r] for r in rows], [grad for _, grad in batch],
+                            [state[1][r] for r in rows], None if len(state) == 2 else [state[2][r] for r in rows],
+                            grad_scale=key.scale)
 
     @staticmethod
     def _count_steps(unit: UnitState, used: list[bool]) -> list[TrainedParam]:
@@ -173,9 +178,26 @@ class UnitUpdates:
         source = source if on_host else unit.master
         assert source is not None
         stream = self.h2d_stream if on_host else self.compute_stream
+        shards = [param.slot.local for param in params]
+        rows = [unit.rows(param, source).view_as(shard) for param, shard in zip(params, shards, strict=True)]
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            for param in params:
-                local = param.slot.local
-                local.copy_(unit.rows(param, source).view_as(local), non_blocking=non_blocking)
+            if on_host:  # each its own transfer up, whichever call makes it
+                for shard, row in zip(shards, rows, strict=True):
+                    shard.copy_(row, non_blocking=non_blocking)
+            elif shards:  # the cast: one multi-tensor kernel, not a launch a parameter (torch refuses an empty list)
+                torch._foreach_copy_(shards, rows)
         unit.params_copied = record_event(stream)
 
+
+def _batches(pieces: list[tuple[int, torch.Tensor]], most: int) -> list[list[tuple[int, torch.Tensor]]]:
+    """`pieces` (offset, tensor) in order, cut into consecutive batches of at most `most` elements together (a piece
+    of `most` or more alone)."""
+    batches: list[list[tuple[int, torch.Tensor]]] = []
+    elements = most
+    for piece in pieces:
+        if elements + piece[1].numel() > most:
+            batches.append([])
+            elements = 0
+        batches[-1].append(piece)
+        elements += piece[1].numel()
+    return batches

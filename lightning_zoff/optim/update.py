@@ -1,7 +1,7 @@
 """One optimizer update of a contiguous fp32 run of parameters: the fused CPU kernel, or torch ops on an
 accelerator (strategy "zoff_no_offload"). Both read the gradient in its own dtype times `grad_scale`, keep the moments
 in fp32 or bf16 (updated in fp32, stored rounded to nearest even) and can write a 16-bit copy of the updated
-parameter into `out`."""
+parameter into `out`. `update_many` runs the torch ops over several runs at once."""
 
 from __future__ import annotations
 
@@ -75,6 +75,34 @@ def _torch_update(rule, hp, step, param, grad, exp_avg, exp_avg_sq, grad_scale, 
               found_inf=None)
     if out is not None:
         out.copy_(param)
+
+
+def update_many(rule: UpdateRule, hp: GroupHyperparams, step: int, params: list[torch.Tensor],
+                grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor] | None, *,
+                grad_scale: float = 1.0) -> None:
+    """`update` on the accelerator's path (torch ops, in place) of several 1-D runs at once, the same bits as one
+    call each: for Adam and AdamW with fp32 moments, one fp32 copy of all the gradients and one fused kernel call over
+    them, as torch.optim's fused AdamW runs, where one call each launches four kernels a parameter (a step of a
+    1B-parameter model at batch 1 waits for those launches, not for the GPU). The caller bounds the gradients'
+    elements together: they are the fp32 workspace."""
+    if not params:
+        return
+    if rule is UpdateRule.LION or exp_avgs[0].dtype != torch.float32 or exp_avg_sqs is None:
+        for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
+            _torch_update(rule, hp, step, param, grad, exp_avgs[i], None if exp_avg_sqs is None else exp_avg_sqs[i],
+                          grad_scale, None)
+        return
+    sizes = [grad.numel() for grad in grads]
+    g = torch.empty(sum(sizes), dtype=torch.float32, device=params[0].device)
+    torch.cat([grad.reshape(-1) for grad in grads], out=g)  # cast as `grad.to(torch.float32)` casts each
+    g.mul_(grad_scale)
+    if hp.maximize:
+        g.neg_()
+    step_tensor = torch.full((), float(step), dtype=torch.float32, device=params[0].device)
+    fused_adam_step(decoupled=rule is UpdateRule.ADAMW)(
+        params, list(g.split(sizes)), exp_avgs, exp_avg_sqs, [], [step_tensor] * len(params), lr=hp.lr,
+        beta1=hp.beta1, beta2=hp.beta2, weight_decay=hp.weight_decay, eps=hp.eps, amsgrad=False, maximize=False,
+        grad_scale=None, found_inf=None)
 
 
 def host_update_seconds_per_element(moment_dtype: torch.dtype, threads: int | None = None, elements: int = 1 << 24,
