@@ -411,3 +411,7 @@ def test_a_text_run_records_its_norms_and_clipped_fraction(tmp_path):
     norms = run["grad_norms"]
     assert len(norms) == 5  # warm-up included
     assert run["clipped_fraction"] == sum(n + 1e-6 > 2.0 for n in norms[1:]) / 4
+    steps = run["telemetry_steps"]  # each step's telemetry, where the medians hide how it moved
+    assert steps["zoff/grad_norm"] == norms
+    assert len(steps["zoff/cpu_update_s"]) == 5
+    assert all(seconds > 0 for seconds in steps["zoff/cpu_update_s"])

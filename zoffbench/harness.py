@@ -474,6 +474,9 @@ class StepMeasurement:
     # a clipped step's host update waits for the norm, an unclipped one may have run during backward
     clipped_fraction: float | None = None
     grad_norms: list[float] | None = None  # each step's (warm-up included), the trace a clipping study reads
+    # zoff's telemetry at each step's end (warm-up included; None where it lacks a key; on CUDA the phase times arrive a
+    # step late): how the split, the exposed update and the host's update moved from step to step, which medians hide
+    telemetry_steps: dict[str, list[float | None]] | None = None
     gpu_alloc_retries_per_step: list[int] | None = None  # each step's (warm-up included; setup's not counted)
     gpu_reserved_by_stream: dict[str, dict[str, float]] | None = None  # at the last step's end: where the cache sits
     gpu_alloc_retry_causes: list[dict[str, Any]] | None = None  # ZOFF_BENCH_ALLOC_HISTORY=1: `alloc_history.py`

@@ -393,6 +393,7 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
         window_peak_gpu_gb=statistics.median(timer.window_peak[measured]) if timer.window_peak else None,
         **process_peaks(), gpu_expandable_segments=expandable_segments_in_use(),
         clipped_fraction=clipped_fraction(norms[measured], clip), grad_norms=norms,
+        telemetry_steps={key: [t.get(key) for t in timer.zoff] for key in timer.zoff[-1]} if timer.zoff else None,
         setup_s=(timer.first_step_at or time.time()) - psutil.Process().create_time(), reported_at=time.time(),
         host_floor=host_floor(trainer.strategy, zoff, step_s),
         params=params, steps=timer.steps, forward=timer.forward, backward=timer.backward, zoff_options=zoff_options,

@@ -105,6 +105,15 @@ for stage in "$@"; do
         (cd $side && PYTHONPATH=$DEPS$PWD timeout 250 python3 scripts/bench/bench.py --model gpt1b --batch 8 --runs $runs \
             --accumulate 1 --steps 10 --warmup 3 --out "$OUT/house_gpt1b_b8_$label.json" 2>&1 | grep -v "^INFO" | tail -5 | tee -a "$OUT/house_gpt1b.txt")
       done ;;
+    launch_bound)  # gpt1b at batch 1, where the host's launches bound zoff's step (0.61-0.71x GPU-only, 2026-12-07):
+      # zoff in another tree (carried as _baseline) and in this one, GPU-only in this one; one call, 12 steps each
+      [ -d _baseline/lightning_zoff ] || { echo "launch_bound: carry another source tree as _baseline"; exit 1; }
+      for side in _baseline .; do
+        label=$( [ $side = . ] && echo this || echo baseline ); runs=$( [ $side = . ] && echo "zoff gpu_only" || echo zoff )
+        (cd $side && PYTHONPATH=$DEPS$PWD timeout 200 python3 scripts/bench/bench.py --model gpt1b --batch 1 --runs $runs \
+            --accumulate 1 --steps 12 --warmup 3 --out "$OUT/launch_bound_gpt1b_b1_$label.json" 2>&1 | grep -v "^INFO" \
+            | tail -5 | tee -a "$OUT/launch_bound.txt")
+      done ;;
     placement) timeout 300 python3 scripts/checks/check_placement.py --steps 12 --out "$OUT/placement_check.json" 2>&1 | grep -v "^INFO\|Tip\|available:" | tail -30 | tee "$OUT/placement_check.txt" ;;
     gpt1b_vs_deepspeed)  # gpt1b batch 8 at accumulate 1 and 4 against DeepSpeed's stronger configurations
       timeout ${BENCH_TIMEOUT:-560} python3 scripts/bench/bench.py --model gpt1b --batch 8 --accumulate 1 4 --steps 6 --warmup 2 --runs gpu_only zoff deepspeed_zero2_offload deepspeed_zero3_offload_ratio --out "$OUT/gpt1b_vs_deepspeed.json" 2>&1 | grep -v "^INFO" | tail -16 | tee "$OUT/gpt1b_vs_deepspeed.txt" ;;
