@@ -3,7 +3,7 @@
 #   OUT=dir bash scripts/device/gpu_checks.sh env suite reference kernels train bench
 # `acceptance` is tests/gpu: the reference, overlap, scaling (2+ GPUs) and capacity checks with their thresholds.
 # Stages are named by what they measure. Carry .whl (../shared/tools/device_wheels.sh --with-deepspeed) for the stages
-# that need Hydra or DeepSpeed, and another source tree as _baseline for `baseline_gpt1b`.
+# that need Hydra or DeepSpeed, and another source tree as _baseline for `baseline_gpt1b`, `house_gpt1b`, `launch_bound`.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
