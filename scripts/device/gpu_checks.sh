@@ -18,6 +18,12 @@ export PYTHONPATH=$DEPS$PWD  # the scripts import the lightning_zoff of the tree
 h100_cap() {  # bench.py's argument capping a GPU larger than an H100 at its 79.2 GiB (the plan reads the cap): none on one
   python3 -c "import torch; t = torch.cuda.get_device_properties(0).total_memory / 2**30; print('--gpu-memory-gb 79.2' if t > 80 else '')"
 }
+per_step() {  # FILE: each step's time and the telemetry that moves the exposed update, from a bench JSON's first run
+  python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['runs'][0]; t=r.get('telemetry_steps') or {}
+print('steps', [round(x, 2) for x in r.get('steps', [])])
+for k in ('zoff/exposed_optimizer_s', 'zoff/cpu_update_s', 'zoff/lent_units', 'zoff/between_s'):
+    print(k, [None if x is None else round(x, 3) for x in t.get(k, [])])" "$1"
+}
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
@@ -234,7 +240,8 @@ for stage in "$@"; do
           --run-timeout-s 270 --out "$OUT/megatrain_qwen25_7b_zoff.json" 2>&1 | tee "$OUT/megatrain_zoff.log" \
           | grep -v "^INFO" | tail -6 | tee "$OUT/megatrain_zoff.txt"
       python3 -c "import json,sys; print(*json.load(open(sys.argv[1]))['runs'][0].get('zoff_lines', []), sep='\n')" \
-          "$OUT/megatrain_qwen25_7b_zoff.json" | cut -c1-700 ;;
+          "$OUT/megatrain_qwen25_7b_zoff.json" | cut -c1-700
+      per_step "$OUT/megatrain_qwen25_7b_zoff.json" ;;
     megatrain_recompute)  # issue 53 item 1's curve: MegaTrain's configuration with the recomputed blocks pinned
       # ($MEGATRAIN_BLOCKS, default "15 18 22"; "auto" chose 13 at e3a6f47 and 15 at 7649c47: 17.39 and 17.13 s a
       # step), state placed by "auto" beside each; 3 measured steps after 1 (~100 s setup + ~70 s each run)
@@ -299,7 +306,8 @@ for stage in "$@"; do
           megatrain) peers peers_megatrain_qwen25_7b 585 --config megatrain_qwen25_7b --warmup 1 \
                          --runs zoff deepspeed_zero3_offload fsdp_cpu_offload fsdp2_cpu_offload torchao_cpu_offload \
                          --run-timeout-s zoff=235 deepspeed_zero3_offload=110 fsdp_cpu_offload=80 \
-                         fsdp2_cpu_offload=90 torchao_cpu_offload=90 ;;
+                         fsdp2_cpu_offload=90 torchao_cpu_offload=90
+                     per_step "$OUT/peers_megatrain_qwen25_7b.json" 2>&1 | tail -5 ;;
           *) echo "peers: unknown part $part (gpt1b megatrain)" ;;
         esac
       done ;;
