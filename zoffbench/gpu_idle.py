@@ -5,7 +5,7 @@ so take timings from a run without it), and its JSON gets `gpu_idle`: the step's
 kernel, copy or fill ran on the GPU, and the longest idle gaps, each with the host calls that covered it (innermost
 first: the wait or the work the GPU waited for) and those that started in it; and the idle time summed by the
 innermost host call covering each gap (`idle_by_host_call`); and the GPU's busy time summed by kernel (`busy_by_kernel`,
-the longest first: where a step's GPU work goes when the GPU is never idle, as zoff's gpt1b at batch 1 was).
+the longest first: what the GPU did, set beside another run's, as zoff's gpt1b at batch 1 beside GPU-only's).
 """
 
 from __future__ import annotations

@@ -58,21 +58,14 @@ def _torch_update(rule, hp, step, param, grad, exp_avg, exp_avg_sq, grad_scale, 
         for moment, updated in zip(moments, fp32, strict=True):
             moment.copy_(updated)
         return
-    g = grad.to(torch.float32, copy=True).mul_(grad_scale)  # one fp32 temporary (the plan's workspace), not two
-    if hp.maximize:
-        g.neg_()
+    g = _scaled(grad.to(torch.float32, copy=True), hp, grad_scale)  # one fp32 temporary (the plan's workspace)
     if rule is UpdateRule.LION:
         direction = exp_avg.mul(hp.beta1).add_(g, alpha=1 - hp.beta1).sign_()
         param.mul_(1 - hp.lr * hp.weight_decay).add_(direction, alpha=-hp.lr)
         exp_avg.mul_(hp.beta2).add_(g, alpha=1 - hp.beta2)
     else:
-        fused = fused_adam_step(decoupled=rule is UpdateRule.ADAMW)
-        # made on the device by a fill: `torch.tensor(step, device=...)` copies from pageable host memory, which
-        # waits for the stream's work first (a synchronize per parameter, each step)
-        step_tensor = torch.full((), float(step), dtype=torch.float32, device=param.device)
-        fused([param], [g], [exp_avg], [exp_avg_sq], [], [step_tensor], lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2,
-              weight_decay=hp.weight_decay, eps=hp.eps, amsgrad=False, maximize=False, grad_scale=None,
-              found_inf=None)
+        assert exp_avg_sq is not None
+        _fused_adam(rule, hp, step, [param], [g], [exp_avg], [exp_avg_sq])
     if out is not None:
         out.copy_(param)
 
@@ -95,14 +88,25 @@ def update_many(rule: UpdateRule, hp: GroupHyperparams, step: int, params: list[
     sizes = [grad.numel() for grad in grads]
     g = torch.empty(sum(sizes), dtype=torch.float32, device=params[0].device)
     torch.cat([grad.reshape(-1) for grad in grads], out=g)  # cast as `grad.to(torch.float32)` casts each
+    _fused_adam(rule, hp, step, params, list(_scaled(g, hp, grad_scale).split(sizes)), exp_avgs, exp_avg_sqs)
+
+
+def _scaled(g: torch.Tensor, hp: GroupHyperparams, grad_scale: float) -> torch.Tensor:
+    """The fp32 gradient `g` times `grad_scale`, negated to maximize, in place."""
     g.mul_(grad_scale)
-    if hp.maximize:
-        g.neg_()
+    return g.neg_() if hp.maximize else g
+
+
+def _fused_adam(rule: UpdateRule, hp: GroupHyperparams, step: int, params: list[torch.Tensor],
+                grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor]) -> None:
+    """torch's fused Adam or AdamW over fp32 tensors, `grads` scaled already; every tensor at `step`."""
+    # made on the device by a fill: `torch.tensor(step, device=...)` copies from pageable host memory, which waits
+    # for the stream's work first (a synchronize a call, each step)
     step_tensor = torch.full((), float(step), dtype=torch.float32, device=params[0].device)
     fused_adam_step(decoupled=rule is UpdateRule.ADAMW)(
-        params, list(g.split(sizes)), exp_avgs, exp_avg_sqs, [], [step_tensor] * len(params), lr=hp.lr,
-        beta1=hp.beta1, beta2=hp.beta2, weight_decay=hp.weight_decay, eps=hp.eps, amsgrad=False, maximize=False,
-        grad_scale=None, found_inf=None)
+        params, grads, exp_avgs, exp_avg_sqs, [], [step_tensor] * len(params), lr=hp.lr, beta1=hp.beta1,
+        beta2=hp.beta2, weight_decay=hp.weight_decay, eps=hp.eps, amsgrad=False, maximize=False, grad_scale=None,
+        found_inf=None)
 
 
 def host_update_seconds_per_element(moment_dtype: torch.dtype, threads: int | None = None, elements: int = 1 << 24,
