@@ -22,7 +22,10 @@ class StepTimer:
 
     The time from one phase's end to the next one's start, in the window of the later, is the phase "between": what
     the accelerator spent outside every phase (the loop's own work between micro-batches, a batch's copy, the host
-    late with the next forward), from the same events, none added."""
+    late with the next forward), from the same events, none added.
+
+    "first_forward" is the window's first forward alone (also in "forward"): the one that meets the last step's
+    updates, so a step whose later micro-batches are no slower shows where its forward time went."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -61,7 +64,10 @@ class StepTimer:
         if not self._done(self._pending[0][0]):
             return None
         window, extra = self._pending.pop(0)  # one per call: every window is reported once, in order
-        return {**{phase: sum(self._seconds(t) for t in timings) for phase, timings in window.items()}, **extra}
+        times = {phase: sum(self._seconds(t) for t in timings) for phase, timings in window.items()}
+        if window.get("forward"):
+            times["first_forward"] = self._seconds(window["forward"][0])
+        return {**times, **extra}
 
     @staticmethod
     def _done(window: dict[str, list]) -> bool:
@@ -83,6 +89,8 @@ def step_metrics(times: dict[str, float] | None, traffic: Any, grad_norm: float,
         # forwards that waited for an overlapped update: that wait is exposed optimizer time, not forward time
         gate_wait = times.pop("gate_wait")
         times["forward"] = times.get("forward", 0.0) - gate_wait
+        if "first_forward" in times:  # the gate holds the window's first forward only
+            times["first_forward"] -= gate_wait
         times["exposed_optimizer"] = times.get("exposed_optimizer", 0.0) + gate_wait
         metrics = {f"zoff/{phase}_s": seconds for phase, seconds in times.items()}
     return metrics | {

@@ -21,7 +21,7 @@ h100_cap() {  # bench.py's argument capping a GPU larger than an H100 at its 79.
 per_step() {  # FILE: each step's time and the telemetry that moves the exposed update, from a bench JSON's first run
   python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['runs'][0]; t=r.get('telemetry_steps') or {}
 print('steps', [round(x, 2) for x in r.get('steps', [])])
-for k in ('zoff/exposed_optimizer_s', 'zoff/cpu_update_s', 'zoff/lent_units', 'zoff/between_s'):
+for k in ('zoff/exposed_optimizer_s', 'zoff/first_forward_s', 'zoff/forward_s', 'zoff/cpu_update_s', 'zoff/lent_units', 'zoff/between_s'):
     print(k, [None if x is None else round(x, 3) for x in t.get(k, [])])" "$1"
 }
 for stage in "$@"; do
