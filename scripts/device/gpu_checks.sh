@@ -257,6 +257,16 @@ for stage in "$@"; do
             t.get('zoff/between_s', 0)))" "$OUT/megatrain_recompute_$blocks.json" 2>&1 | tail -1 \
             | tee -a "$OUT/megatrain_recompute.txt"
       done ;;
+    megatrain_threads)  # does the host's update starve the training thread? MegaTrain's configuration with the update
+      # kernels on $MEGATRAIN_THREADS threads (default "16 14": all the cores, then two left to the training thread
+      # and the loader), 3 measured steps after 1 each (~180 s a run); each step's first forward and exposed update
+      cap=$(h100_cap)
+      for threads in ${MEGATRAIN_THREADS:-16 14}; do
+        timeout 190 python3 scripts/bench/bench.py --config megatrain_qwen25_7b --runs zoff --warmup 1 --steps 3 $cap \
+            --zoff-option "cpu_threads=$threads" --run-timeout-s 185 --out "$OUT/megatrain_threads_$threads.json" 2>&1 \
+            | grep -v "^INFO" | grep -E "^ +zoff " | sed "s/^/threads $threads: /" | tee -a "$OUT/megatrain_threads.txt"
+        per_step "$OUT/megatrain_threads_$threads.json" | tee -a "$OUT/megatrain_threads.txt"
+      done ;;
     idle_profile)  # where the GPU idles in a step (zoffbench/gpu_idle.py: ZOFF_BENCH_PROFILE=1 profiles each run's
       # last step, which the profiler slows): gpt1b at batch 1 (2,048 tokens an iteration, as LitGPT's full.py ran 48 ms
       # slower under zoff than LitGPT's own, 2026-12-07) beside GPU-only; then MegaTrain's configuration (0.6 s a step
