@@ -259,11 +259,11 @@ for stage in "$@"; do
       done ;;
     megatrain_threads)  # does the host's update starve the training thread? MegaTrain's configuration with the update
       # kernels on $MEGATRAIN_THREADS threads (default "16 14": all the cores, then two left to the training thread
-      # and the loader), 3 measured steps after 1 each (~180 s a run); each step's first forward and exposed update
+      # and the loader), 3 measured steps after 1 each (55-110 s setup + ~70 s); each step's first forward and exposed update
       cap=$(h100_cap)
       for threads in ${MEGATRAIN_THREADS:-16 14}; do
-        timeout 190 python3 scripts/bench/bench.py --config megatrain_qwen25_7b --runs zoff --warmup 1 --steps 3 $cap \
-            --zoff-option "cpu_threads=$threads" --run-timeout-s 185 --out "$OUT/megatrain_threads_$threads.json" 2>&1 \
+        timeout 215 python3 scripts/bench/bench.py --config megatrain_qwen25_7b --runs zoff --warmup 1 --steps 3 $cap \
+            --zoff-option "cpu_threads=$threads" --run-timeout-s 210 --out "$OUT/megatrain_threads_$threads.json" 2>&1 \
             | grep -v "^INFO" | grep -E "^ +zoff " | sed "s/^/threads $threads: /" | tee -a "$OUT/megatrain_threads.txt"
         per_step "$OUT/megatrain_threads_$threads.json" | tee -a "$OUT/megatrain_threads.txt"
       done ;;
