@@ -24,6 +24,12 @@ print('steps', [round(x, 2) for x in r.get('steps', [])])
 for k in ('zoff/exposed_optimizer_s', 'zoff/first_forward_s', 'zoff/forward_s', 'zoff/cpu_update_s', 'zoff/lent_units', 'zoff/between_s'):
     print(k, [None if x is None else round(x, 3) for x in t.get(k, [])])" "$1"
 }
+megatrain_short() {  # NAME OPTION LIMIT_S: MegaTrain's configuration with one zoff option, 3 measured steps after 1,
+  # into $OUT/NAME.json within LIMIT_S; prints the table's zoff line after the option
+  timeout $3 python3 scripts/bench/bench.py --config megatrain_qwen25_7b --runs zoff --warmup 1 --steps 3 $(h100_cap) \
+      --zoff-option "$2" --run-timeout-s $(( $3 - 5 )) --out "$OUT/$1.json" 2>&1 | grep -v "^INFO" \
+      | grep -E "^ +zoff " | sed "s/^/$2: /"
+}
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
@@ -245,12 +251,9 @@ for stage in "$@"; do
     megatrain_recompute)  # issue 53 item 1's curve: MegaTrain's configuration with the recomputed blocks pinned
       # ($MEGATRAIN_BLOCKS, default "15 18 22"; "auto" chose 13 at e3a6f47 and 15 at 7649c47: 17.39 and 17.13 s a
       # step), state placed by "auto" beside each; 3 measured steps after 1 (~100 s setup + ~70 s each run)
-      cap=$(h100_cap)
       for blocks in ${MEGATRAIN_BLOCKS:-15 18 22}; do
-        timeout 190 python3 scripts/bench/bench.py --config megatrain_qwen25_7b --runs zoff --warmup 1 --steps 3 $cap \
-            --zoff-option "activation_checkpointing_policy=$blocks" --run-timeout-s 185 \
-            --out "$OUT/megatrain_recompute_$blocks.json" 2>&1 | grep -v "^INFO" | grep -E "^ +zoff " \
-            | sed "s/^/blocks $blocks: /" | tee -a "$OUT/megatrain_recompute.txt"
+        megatrain_short megatrain_recompute_$blocks "activation_checkpointing_policy=$blocks" 190 \
+            | tee -a "$OUT/megatrain_recompute.txt"
         python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['runs'][0]; t=r['telemetry_median']; print(
             'blocks', r.get('recomputed_blocks'), 'GPU units', r['memory'].get('accelerator_units'), 'lent',
             t.get('zoff/lent_units'), 'cpu_update_s %.3f between_s %.3f' % (t.get('zoff/cpu_update_s', 0),
@@ -260,11 +263,8 @@ for stage in "$@"; do
     megatrain_threads)  # does the host's update starve the training thread? MegaTrain's configuration with the update
       # kernels on $MEGATRAIN_THREADS threads (default "16 14": all the cores, then two left to the training thread
       # and the loader), 3 measured steps after 1 each (55-110 s setup + ~70 s); each step's first forward and exposed update
-      cap=$(h100_cap)
       for threads in ${MEGATRAIN_THREADS:-16 14}; do
-        timeout 215 python3 scripts/bench/bench.py --config megatrain_qwen25_7b --runs zoff --warmup 1 --steps 3 $cap \
-            --zoff-option "cpu_threads=$threads" --run-timeout-s 210 --out "$OUT/megatrain_threads_$threads.json" 2>&1 \
-            | grep -v "^INFO" | grep -E "^ +zoff " | sed "s/^/threads $threads: /" | tee -a "$OUT/megatrain_threads.txt"
+        megatrain_short megatrain_threads_$threads "cpu_threads=$threads" 215 | tee -a "$OUT/megatrain_threads.txt"
         per_step "$OUT/megatrain_threads_$threads.json" | tee -a "$OUT/megatrain_threads.txt"
       done ;;
     idle_profile)  # where the GPU idles in a step (zoffbench/gpu_idle.py: ZOFF_BENCH_PROFILE=1 profiles each run's
@@ -317,7 +317,7 @@ for stage in "$@"; do
                          --runs zoff deepspeed_zero3_offload fsdp_cpu_offload fsdp2_cpu_offload torchao_cpu_offload \
                          --run-timeout-s zoff=235 deepspeed_zero3_offload=110 fsdp_cpu_offload=80 \
                          fsdp2_cpu_offload=90 torchao_cpu_offload=90
-                     per_step "$OUT/peers_megatrain_qwen25_7b.json" 2>&1 | tail -5 ;;
+                     per_step "$OUT/peers_megatrain_qwen25_7b.json" 2>&1 ;;
           *) echo "peers: unknown part $part (gpt1b megatrain)" ;;
         esac
       done ;;
