@@ -2,6 +2,7 @@
 megatrain_qwen25_7b preset and its model, FSDP2's CPU offload built where it needs the model, Lightning's FSDP, blocks
 recomputed in every run, and torchao's CPUOffloadOptimizer refused here with its reason."""
 
+import functools
 import importlib.util
 import json
 import sys
@@ -95,6 +96,20 @@ def test_lightning_fsdp_offloads_each_block_and_clips_by_its_own_norm():
     assert runs.unsupported_here("fsdp_cpu_offload", 1, False, gpus=1) is None
 
 
+def assert_same_loss_and_gradients(plain, recomputed):
+    """One forward and backward of each on the same tokens: the same loss and gradients, bit for bit (a parameter
+    of a block in torch's checkpoint wrapper by its name without the wrapper's)."""
+    x = torch.randint(0, 256, (2, 64))
+    losses = []
+    for module in (plain, recomputed):
+        _, loss = module(x, x)
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[0] == losses[1]
+    grads = {name.replace("._checkpoint_wrapped_module", ""): p.grad for name, p in recomputed.named_parameters()}
+    assert all(torch.equal(p.grad, grads[name]) for name, p in plain.named_parameters())
+
+
 def test_every_run_recomputes_the_blocks_the_same_way():
     from lightning_zoff.examples.gpt import Block
 
@@ -105,19 +120,46 @@ def test_every_run_recomputes_the_blocks_the_same_way():
     wrapped = [m for m in recomputed.modules() if isinstance(m, CheckpointWrapper)]
     assert len(wrapped) == 2
     assert all(isinstance(m._checkpoint_wrapped_module, Block) for m in wrapped)
-    x = torch.randint(0, 256, (2, 64))
-    losses = []
-    for module in (plain, recomputed):
-        _, loss = module(x, x)
-        loss.backward()
-        losses.append(loss.item())
-    assert losses[0] == losses[1]
-    grads = {name.replace("._checkpoint_wrapped_module", ""): p.grad for name, p in recomputed.named_parameters()}
-    assert all(torch.equal(p.grad, grads[name]) for name, p in plain.named_parameters())
+    assert_same_loss_and_gradients(plain, recomputed)
     fsdp2 = runs.build_run("fsdp2_cpu_offload", "tiny", {}, checkpointing=True)[0](None)
     assert sum(isinstance(m, CheckpointWrapper) for m in fsdp2.modules()) == 2  # wrapped before sharding
     qwen3 = runs.build_run("zoff", "qwen3_tiny", {}, checkpointing=True)[1]
     assert {c.__name__ for c in qwen3.config.activation_checkpointing_policy} == {"Qwen3DecoderLayer"}
+
+
+def test_a_model_built_under_zero_init_recomputes_its_blocks_without_a_new_module(monkeypatch):
+    """DeepSpeed's ZeRO-3 runs build the model under zero.Init, which wraps every module's __init__; torch's
+    checkpoint wrapper recursed there (RecursionError on the H100, session 23). Their blocks keep their class and
+    recompute in backward with the plain run's loss and gradients."""
+    from lightning_zoff.examples.gpt import Block
+    from zoffbench.recompute import recompute_forwards
+
+    torch.manual_seed(0)
+    plain = runs.build_run("gpu_only", "tiny", {})[0](None)
+    recomputed = runs.build_run("gpu_only", "tiny", {})[0](None)
+    recomputed.load_state_dict(plain.state_dict())
+    built = []
+    init = torch.nn.Module.__init__
+    monkeypatch.setattr(torch.nn.Module, "__init__", lambda self, *a, **k: (built.append(self), init(self, *a, **k)))
+    recompute_forwards(recomputed, Block)
+    monkeypatch.undo()
+    assert built == []  # nothing for zero.Init to wrap
+    assert [type(m) for m in recomputed.modules()] == [type(m) for m in plain.modules()]
+    calls = []
+    for block in recomputed.modules():
+        if isinstance(block, Block):
+            block.ln_1.register_forward_pre_hook(lambda *_: calls.append(1))
+    assert_same_loss_and_gradients(plain, recomputed)
+    assert len(calls) == 4  # each of the 2 blocks, once in forward and once again in backward's recompute
+    family, kwargs = runs.family_of("tiny")
+    with torch.device("meta"):  # as deepspeed_module builds it (its optimizer needs DeepSpeed: none here)
+        module = runs.with_mixin(runs.BuiltUnderZeroInit, family)(**kwargs)
+    module.recomputed = Block
+    module.configure_model()  # what DeepSpeed's runs do under zero.Init
+    blocks = [m for m in module.modules() if isinstance(m, Block)]
+    assert len(blocks) == 2
+    assert not any(isinstance(m, CheckpointWrapper) for m in module.modules())
+    assert all(isinstance(b.forward, functools.partial) for b in blocks)
 
 
 def test_torchao_is_unsupported_here_with_the_reason(monkeypatch):
@@ -212,6 +254,31 @@ def test_a_preset_call_records_its_config_and_every_peers_outcome(tmp_path):
     assert fsdp["gradient_clip_val"] == 1.0
     assert torchao["error"] == torchao_run.refusal(clip_asked=False, gpus=0)
     assert (torchao["exact"], torchao["gradient_clip_val"]) == (False, None)
+
+
+def test_a_second_call_adds_its_peers_to_the_first_calls_json(tmp_path, capsys):
+    """Two calls of the megatrain preset, the second --add-to the first: one JSON, every run in call order, the first
+    call named; another config or another kind of machine is refused in one line. The runs are refused here (no GPU,
+    no torchao), so no process starts."""
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    bench.main(["--config", "megatrain_qwen25_7b", "--runs", "fsdp_cpu_offload", "--out", str(first)])
+    bench.main(["--config", "megatrain_qwen25_7b", "--runs", "torchao_cpu_offload", "--add-to", str(first), "--out",
+                str(second)])
+    one = json.loads(first.read_text())
+    both = json.loads(second.read_text())
+    assert [r["name"] for r in both["runs"]] == ["fsdp_cpu_offload", "torchao_cpu_offload"]
+    assert both["runs"][0] == one["runs"][0]
+    assert both["earlier_calls"] == [{key: one[key] for key in ("date", "machine", "command")}]
+    table = capsys.readouterr().out.split("machine:")[-1]
+    assert "fsdp_cpu_offload" in table
+    assert "torchao_cpu_offload" in table
+    with pytest.raises(SystemExit, match=r"used --config megatrain_qwen25_7b .*give this call the same"):
+        bench.main(["--runs", "fsdp_cpu_offload", "--add-to", str(first), "--out", str(tmp_path / "x.json")])
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text(json.dumps({**one, "machine": {**one["machine"], "gpus": 1, "gpu": "NVIDIA H100 80GB HBM3"}}))
+    with pytest.raises(SystemExit, match=r"made on NVIDIA H100 80GB HBM3 x1, .*same kind of machine"):
+        bench.main(["--config", "megatrain_qwen25_7b", "--runs", "fsdp_cpu_offload", "--add-to", str(elsewhere),
+                    "--out", str(tmp_path / "y.json")])
 
 
 @pytest.mark.slow

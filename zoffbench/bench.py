@@ -48,7 +48,9 @@ every parameter at every step, e.g. ZenFlow, bf16 moments), "step_s_median", "st
 "vs_best_exact_deepspeed", ...}, ...]}. DeepSpeed runs add "deepspeed_config" (the dict DeepSpeed got), the ratio run
 "ratio" and "ratio_tries" (each try's ratio, outcome and error). A run that fails keeps its entry, with "error" (the
 failure's last meaningful line), "outcome" ("gpu_oom",
-"host_oom", "timeout" or "error") and "stderr_tail" instead of the measurements.
+"host_oom", "timeout" or "error") and "stderr_tail" instead of the measurements. `--add-to JSON` puts an earlier call's
+runs (the same --config on the same kind of machine) first and names that call under "earlier_calls": a preset whose
+peers cannot all run within one call's time still gives one JSON with every peer's outcome.
 
 "exposed_optimizer_s" is the median wall time from the end of the window's last backward (after clipping) to the end
 of the optimizer step: the time the GPU waits for the update; zoff reports its own, which also counts the forwards
@@ -277,6 +279,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="kill a run (its whole process tree) after this many seconds and record it as timed out;"
                              " RUN=SECONDS for that run alone")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--add-to", type=Path, default=None, metavar="JSON",
+                        help="an earlier call's JSON of the same --config on the same kind of machine: its runs come"
+                             " first in this call's JSON and table (a preset whose peers need more than one call)")
     parser.add_argument("--plot", type=Path, default=None, metavar="JSON", help="only draw this JSON's PNG again")
     preset = parser.parse_known_args(argv)[0].config
     if preset:
@@ -293,14 +298,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def earlier_call(path: Path, record: dict) -> dict:
+    """--add-to: the runs of the earlier call at `path` and where they came from ("earlier_calls"), refused in one line
+    unless that call ran the same config (`record`'s) on the same kind of machine (GPU, count, cores, host memory)."""
+    earlier = json.loads(path.read_text())
+    same = ("gpu", "gpus", "cores")
+    here, there = machine(), earlier.get("machine") or {}
+    if isinstance(there, str) or any(here[key] != there.get(key) for key in same) or abs(
+            here["host_memory_gb"] - there.get("host_memory_gb", 0)) > 2:
+        raise SystemExit(f"--add-to {path}: its runs were made on {describe(there)}, this call runs on"
+                         f" {describe(here)}: add only calls made on the same kind of machine")
+    if earlier.get("config") != record["config"] or earlier.get("gpu_memory_gb") != record["gpu_memory_gb"]:
+        name = (earlier.get("config") or {}).get("name")
+        raise SystemExit(f"--add-to {path}: its runs used --config {name} and --gpu-memory-gb"
+                         f" {earlier.get('gpu_memory_gb')}: give this call the same")
+    calls = [*earlier.get("earlier_calls", []), {key: earlier.get(key) for key in ("date", "machine", "command")}]
+    return {"earlier_calls": calls, "runs": list(earlier["runs"])}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.plot:
         plot(json.loads(args.plot.read_text()), args.plot)
         return
     out = args.out or result_path(f"bench_{args.model}")  # once: every write goes to the same file
-    runs: list[dict] = []
-    record = {"config": configs.record(args.config), "gpu_memory_gb": args.gpu_memory_gb, "runs": runs}
+    record = {"config": configs.record(args.config), "gpu_memory_gb": args.gpu_memory_gb, "runs": []}
+    if args.add_to:
+        record |= earlier_call(args.add_to, record)
+    runs: list[dict] = record["runs"]
     for accumulate in args.accumulate:
         for name in args.runs:
             if name == "deepspeed_zero3_offload_ratio":

@@ -31,7 +31,7 @@ from zoffbench.fsdp_runs import (
 from zoffbench.harness import BenchRun, StepMeasurement, clipped_fraction, parse_options
 from zoffbench.host_floor import host_floor
 from zoffbench.model_shapes import model_shape
-from zoffbench.recompute import block_class, recompute_blocks
+from zoffbench.recompute import block_class, recompute_blocks, recompute_forwards
 
 if TYPE_CHECKING:  # for the checker only
     from lightning.fabric.connector import _PRECISION_INPUT
@@ -201,7 +201,7 @@ class BuiltUnderZeroInit(_MixedInto):
     def configure_model(self) -> None:
         if any(p.is_meta for p in self.model.parameters()):
             self.model = type(self.model)(self.model.config)
-            recompute_blocks(self, self.recomputed)
+            recompute_forwards(self, self.recomputed)  # no checkpoint wrapper: zero.Init is active
 
 
 def with_mixin(mixin: type, family: type) -> type:

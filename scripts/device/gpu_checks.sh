@@ -292,11 +292,12 @@ for stage in "$@"; do
     peers)  # the peers at their own headline configurations (issue 53), each part one bench call and one JSON, every
       # outcome recorded (time, gpu_oom, host_oom, timeout, unsupported). Needs .whl with transformers, DeepSpeed and
       # torchao (device_wheels.sh --with-deepspeed, scripts/device/hf_wheels.sh, scripts/device/torchao_wheels.sh).
-      # Parts in $PEERS_PARTS (default both, in this order), $PEERS_STEPS measured steps (default 5), within
-      # $PEERS_BUDGET seconds (default 585: one device call). Each run has its own limit (--run-timeout-s RUN=S: a run
-      # past it is recorded as "timeout"), and a part's call is cut at what the budget leaves (the JSON keeps the runs
-      # done by then); a part with < 60 s left is skipped, and says so. The megatrain part's limits add up to 605 s,
-      # so the two parts take two calls: PEERS_PARTS=gpt1b, then PEERS_PARTS=megatrain.
+      # Parts in $PEERS_PARTS (default gpt1b megatrain), $PEERS_STEPS measured steps (default 5), within $PEERS_BUDGET
+      # seconds (default 585: one device call). Each run has its own limit (--run-timeout-s RUN=S: a run past it is
+      # recorded as "timeout"), and a part's call is cut at what the budget leaves (the JSON keeps the runs done by
+      # then); a part with < 60 s left is skipped, and says so. MegaTrain's configuration takes two calls (each of its
+      # runs builds 7.6B parameters first): PEERS_PARTS=megatrain (zoff, DeepSpeed), its JSON committed, then
+      # PEERS_PARTS=megatrain_offload PEERS_ADD_TO=that JSON (Lightning's FSDP, FSDP2, torchao), whose JSON holds all.
       steps=${PEERS_STEPS:-5}
       peers() {  # NAME LIMIT_S ARGS...: one bench call within LIMIT_S and what is left of the budget
         local name=$1 limit=$2 left=$(( ${PEERS_BUDGET:-585} - SECONDS )); shift 2
@@ -310,15 +311,18 @@ for stage in "$@"; do
           # gpt1b batch 8: FSDP2's CPU offload beside zoff and DeepSpeed ZeRO-3 offload (setup ~30-90 s each)
           gpt1b) peers peers_gpt1b_b8 330 --model gpt1b --batch 8 --accumulate 1 --warmup 2 \
                      --runs zoff deepspeed_zero3_offload fsdp2_cpu_offload --run-timeout-s 110 ;;
-          # MegaTrain's Qwen2.5-7B (seq 1024, batch 8 x 18, 4 workers, blocks recomputed): zoff (96 s setup, 19.6 s a
-          # step with 4 workers on 1x H100: 219 s for 6 steps) and the peers, whose first outcome (OOM, a step) comes
-          # after building 7.6B parameters; the limits add up to 605 s, so the last peer may be cut by the budget
+          # MegaTrain's Qwen2.5-7B (seq 1024, batch 8 x 18, 4 workers, blocks recomputed): zoff's setup took 55-115 s
+          # and its 6 steps ~110 s (session 21b: 222 s in all; session 23 cut at 235 s after its last step); DeepSpeed
+          # builds under zero.Init, then its CPU Adam's first update
           megatrain) peers peers_megatrain_qwen25_7b 585 --config megatrain_qwen25_7b --warmup 1 \
-                         --runs zoff deepspeed_zero3_offload fsdp_cpu_offload fsdp2_cpu_offload torchao_cpu_offload \
-                         --run-timeout-s zoff=235 deepspeed_zero3_offload=110 fsdp_cpu_offload=80 \
-                         fsdp2_cpu_offload=90 torchao_cpu_offload=90
+                         --runs zoff deepspeed_zero3_offload --run-timeout-s zoff=300 deepspeed_zero3_offload=260
                      per_step "$OUT/peers_megatrain_qwen25_7b.json" 2>&1 ;;
-          *) echo "peers: unknown part $part (gpt1b megatrain)" ;;
+          # the offloads that build the fp32 model on the host first (session 23: not done with it in 80-90 s)
+          megatrain_offload) peers peers_megatrain_qwen25_7b_all 585 --config megatrain_qwen25_7b --warmup 1 \
+                                 ${PEERS_ADD_TO:+--add-to "$PEERS_ADD_TO"} \
+                                 --runs fsdp_cpu_offload fsdp2_cpu_offload torchao_cpu_offload \
+                                 --run-timeout-s fsdp_cpu_offload=185 fsdp2_cpu_offload=185 torchao_cpu_offload=185 ;;
+          *) echo "peers: unknown part $part (gpt1b megatrain megatrain_offload)" ;;
         esac
       done ;;
     *) echo "unknown stage $stage: see the stages of scripts/device/gpu_checks.sh"; exit 2 ;;
