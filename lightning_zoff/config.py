@@ -57,6 +57,11 @@ class ZoffConfig:
                 " costs more than the host's update of the state its activations displace (measured at setup: many"
                 " micro-batches a step), the fewest with which the model fits at all; a number N: the first N blocks"
                 " in forward order, the others keep theirs; none: `None`")
+    reshard_after_forward: bool = option(
+        True, "FSDP2's: each unit gives its gathered parameters up after its forward and gathers them again in"
+              " backward; false: keeps them until its backward (no all-gather in backward: less of the host's time"
+              " and of the accelerator's copying a step, the whole model's 16-bit parameters more on the accelerator"
+              " at the step's peak, in the plan)")
     start_method: StartMethod = option(
         "subprocess", "how ranks start: Lightning's script re-run, or `\"fork\"`/`\"spawn\"`/`\"forkserver\"`"
                       " multiprocessing (fork is the fast choice on CPU)")
@@ -101,7 +106,7 @@ class ZoffConfig:
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: the checks store the normal form of what the user wrote
         for name in ("offload", "weights_to_main_process", "pin_memory", "retain_gpu_grad_partition_until_step",
-                     "overlap"):
+                     "overlap", "reshard_after_forward"):
             if not isinstance(getattr(self, name), bool):  # YAML's `offload: no` must not become True
                 raise TypeError(f"ZoffStrategy({name}={getattr(self, name)!r}): expected true or false.")
         set_(self, "accelerator_state", parse_accelerator_state(self.accelerator_state))

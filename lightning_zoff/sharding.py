@@ -29,6 +29,9 @@ from lightning_zoff._compat import (
 )
 from lightning_zoff.units import Unit
 
+# the attribute of each FSDP2 unit's modules that says how shard_model sharded them: keep_gathered restores it
+RESHARDS_AFTER_FORWARD = "_zoff_reshard_after_forward"
+
 
 def param_names(module: nn.Module) -> dict[int, list[str]]:
     """Every name of each parameter, by id (tied parameters have several; the first is the one checkpoints use)."""
@@ -56,6 +59,7 @@ def shard_model(
     mesh: DeviceMesh,
     param_dtype: torch.dtype,
     init_fn: ParamInitFn | None = None,
+    reshard_after_forward: bool = True,
 ) -> dict[int, torch.Tensor]:
     """Shard `model` in place, one unit at a time, and return this rank's fp32 master shards, keyed by id of the
     sharded parameter.
@@ -79,7 +83,9 @@ def shard_model(
         for module in unit.modules:
             module.register_forward_hook(_output_not_a_view)  # runs before the hook fully_shard adds
         modules = list(unit.modules) if len(unit.modules) > 1 else unit.module
-        fully_shard(modules, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+        fully_shard(modules, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        for module in unit.modules:
+            setattr(module, RESHARDS_AFTER_FORWARD, reshard_after_forward)
     materialize(model, init_fn)  # buffers of modules outside every unit
     share_one_root(model, mesh)
     sharded = dict(model.named_parameters())
@@ -316,6 +322,6 @@ def keep_gathered(model: nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        for unit in units:
-            unit.set_reshard_after_forward(True, recurse=False)  # as shard_model sharded it
+        for unit in units:  # as shard_model sharded it
+            unit.set_reshard_after_forward(getattr(unit, RESHARDS_AFTER_FORWARD, True), recurse=False)
             unit.reshard()

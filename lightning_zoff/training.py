@@ -106,7 +106,8 @@ class ShardedTraining:
                 self._refusal = refusal
         mesh = init_device_mesh(self.group.device.type, (self.group.world_size,))
         with torch_threads(len(self.cpu_layout.cores)):  # meta init and master copies: no kernels run yet
-            self.masters = shard_model(module, self.units, mesh, param_dtype, self.config.param_init_fn)
+            self.masters = shard_model(module, self.units, mesh, param_dtype, self.config.param_init_fn,
+                                       self.config.reshard_after_forward)
         module.to(self.group.device)  # buffers and anything FSDP2 did not move
         route_whole_loads(module, self)
 

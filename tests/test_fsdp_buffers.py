@@ -42,6 +42,33 @@ def test_a_backward_by_hand_reaches_fsdp2s_most_where_the_largest_unit_reduces()
     assert buffers.now() == 8 + 4 + 4 + 4 + 8  # the end: the last input and four shards (the landing frees them)
 
 
+def test_units_kept_gathered_from_forward_to_backward_count_until_each_reduces():
+    # the same units with reshard_after_forward=False: every unit gathered at the forward's end, and in backward
+    # every unit not yet reduced, this one among them
+    sizes = (8, 4, 4, 4, 4, 4, 6)
+    units = UnitBuffers(sizes=sizes, shards=sizes, trained=(1,) * 7, unit_of={}, kept=True)
+    buffers = Fsdp2Buffers(units)
+    assert buffers.now() == 34  # forward: all seven
+    buffers.in_backward = True
+    assert buffers.now() == 34
+    moments = [buffers.grad_arrived(i, sizes[i]) for i in reversed(range(7))]
+    # each reduce: the units not yet reduced, its gradient, its reduce-scatter input and the last four shards
+    assert moments == [34 + 6 + 6 + 6,
+                       28 + 4 + 4 + (6 + 4),
+                       24 + 4 + 4 + (6 + 4 + 4),
+                       20 + 4 + 4 + (6 + 4 + 4 + 4),
+                       16 + 4 + 4 + (4 + 4 + 4 + 4),
+                       12 + 4 + 4 + (4 + 4 + 4 + 4),
+                       8 + 8 + 8 + (4 + 4 + 4 + 8)]
+    assert units.most == max(moments) == 52
+    assert units.forward_most == 34
+    assert buffers.now() == 8 + 4 + 4 + 4 + 8  # the end as when resharded: nothing gathered
+    frozen = Fsdp2Buffers(UnitBuffers(sizes=(8, 4), shards=(8, 4), trained=(0, 1), unit_of={}, kept=True))
+    frozen.in_backward = True
+    assert frozen.grad_arrived(1, 4) == (8 + 4) + 4 + 4 + 4  # the frozen unit stays gathered: it never reduces
+    assert frozen.now() == 8 + 4 + 4
+
+
 def test_the_nominal_backward_of_a_model_is_fsdp2s_most_as_gathered_bytes_counts_it():
     model = TinyLM()
     units = plan_units(model)

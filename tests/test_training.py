@@ -307,6 +307,51 @@ def test_accumulating_on_the_accelerator_gives_the_same_bits(tmp_path, retain):
         assert torch.equal(a, b)
 
 
+class CountingGathers(pl.Callback):
+    """Counts this rank's all-gathers over fit (FSDP2 gathers a unit's parameters with one) into gathers{rank}.txt."""
+
+    # FSDP2's call: all_gather_single in torch 2.13, all_gather_into_tensor before
+    NAME = "all_gather_single" if hasattr(torch.distributed, "all_gather_single") else "all_gather_into_tensor"
+
+    def __init__(self, out):
+        self.out = out
+
+    def on_fit_start(self, trainer, pl_module):
+        gather = getattr(torch.distributed, self.NAME)
+        self.calls = 0
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return gather(*args, **kwargs)
+
+        setattr(torch.distributed, self.NAME, counted)  # this rank's (a forked process's) torch only
+        self.gather = gather
+
+    def on_fit_end(self, trainer, pl_module):
+        setattr(torch.distributed, self.NAME, self.gather)
+        (self.out / f"gathers{trainer.global_rank}.txt").write_text(str(self.calls))
+
+
+@pytest.mark.parametrize("state", ["none", 1.0])
+def test_units_kept_gathered_until_backward_give_the_same_bits_with_half_the_gathers(tmp_path, state):
+    """reshard_after_forward=False: each unit's parameters stay gathered from its forward to its backward, so backward
+    gathers nothing; the same math, bit for bit, accumulating and clipped, with the state on the host and with it on
+    the accelerator (whose units' shards hold the window's last gradient until the step)."""
+    results = {}
+    for keep in (False, True):
+        out = tmp_path / f"keep_{keep}"
+        strategy = ZoffStrategy(start_method="fork", weights_to_main_process=True, accelerator_state=state,
+                                reshard_after_forward=not keep)
+        _, module = fit(out, strategy, max_steps=4, callbacks=[CountingGathers(out)])
+        results[keep] = (read_probe(out)["losses"], module.state_dict(), int((out / "gathers0.txt").read_text()))
+    (losses, weights, gathers), (kept_losses, kept_weights, kept_gathers) = results[False], results[True]
+    assert kept_losses == losses
+    for a, b in zip(kept_weights.values(), weights.values(), strict=True):
+        assert torch.equal(a, b)
+    assert gathers > 0
+    assert kept_gathers * 2 == gathers, (kept_gathers, gathers)
+
+
 class CountingBlock(tiny.Block):
     def __init__(self) -> None:
         super().__init__()

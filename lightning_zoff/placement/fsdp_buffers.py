@@ -6,7 +6,9 @@ otherwise be added though they happen apart.
 
 The same buffers as `rank.gathered_bytes` counts at its most (a unit's reduce: it and the next unit gathered, its
 gradient, a reduce-scatter input, the reduced shards of the last `REDUCED_IN_FLIGHT` + 2 units); in forward, a unit and
-the next one gathered."""
+the next one gathered. With `reshard_after_forward=False` (`kept`) a unit stays gathered from its forward until it
+reduces in backward: in forward every unit counts (the most, reached at its end), in backward every unit not yet
+reduced."""
 
 from __future__ import annotations
 
@@ -31,10 +33,11 @@ class UnitBuffers:
     shards: tuple[int, ...]
     trained: tuple[int, ...]
     unit_of: dict[int, int]
+    kept: bool = False  # each unit gathered from its forward until it reduces (reshard_after_forward=False)
 
     @classmethod
     def of(cls, model: nn.Module, units: list[Unit], param_bytes: int, order: Sequence[str],
-           world_size: int = 1) -> UnitBuffers:
+           world_size: int = 1, kept: bool = False) -> UnitBuffers:
         taken: dict[str, torch.Tensor] = {}
         owned = {}
         for unit in units:  # inner units first: a unit's own parameters are those no earlier unit took
@@ -44,7 +47,8 @@ class UnitBuffers:
         sizes = [sum(p.numel() for _, p in owned[name]) * param_bytes for name in names]
         unit_of = {id(p): i for i, name in enumerate(names) for _, p in owned[name]}
         return cls(sizes=tuple(sizes), shards=tuple(-(-n // world_size) for n in sizes),
-                   trained=tuple(sum(p.requires_grad for _, p in owned[name]) for name in names), unit_of=unit_of)
+                   trained=tuple(sum(p.requires_grad for _, p in owned[name]) for name in names), unit_of=unit_of,
+                   kept=kept)
 
     @property
     def most(self) -> int:
@@ -55,7 +59,10 @@ class UnitBuffers:
         held = REDUCED_IN_FLIGHT + 2
 
         def reducing(j: int) -> int:
-            gathered = backward[j] + (backward[j + 1] if j + 1 < len(backward) else 0)
+            if self.kept:  # every unit not yet reduced, this one among them
+                gathered = sum(backward[j:])
+            else:
+                gathered = backward[j] + (backward[j + 1] if j + 1 < len(backward) else 0)
             gradients = backward[j] + max(backward[j - 1] if j else 0, backward[j])
             return gathered + gradients + sum(shards[max(0, j + 1 - held) : j + 1])
 
@@ -63,7 +70,9 @@ class UnitBuffers:
 
     @property
     def forward_most(self) -> int:
-        """In forward: a unit and the next one gathered, at their most."""
+        """In forward: a unit and the next one gathered, at their most; kept, all of them (the forward's end)."""
+        if self.kept:
+            return sum(self.sizes)
         return max((a + b for a, b in zip(self.sizes, (*self.sizes[1:], 0), strict=True)), default=0)
 
 
@@ -116,7 +125,10 @@ class Fsdp2Buffers:
 
     def _gathered(self) -> int:
         """The unit backward is in (the last in forward order not yet reduced), the next one (prefetched), and any
-        other whose gradients began to arrive (its parameters stay gathered until it reduces)."""
+        other whose gradients began to arrive (its parameters stay gathered until it reduces); kept, every unit not
+        yet reduced (a unit without gradients, never reduced, until backward ends)."""
+        if self.units.kept:
+            return sum(size for size, reduced in zip(self.units.sizes, self._reduced, strict=True) if not reduced)
         waiting = [i for i in reversed(range(len(self.units.sizes))) if not self._reduced[i] and self.units.trained[i]]
         gathered = set(waiting[:2]) | {i for i in waiting if self._arrived[i]}
         return sum(self.units.sizes[i] for i in gathered)

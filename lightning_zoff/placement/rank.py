@@ -82,7 +82,8 @@ class RankMemory:
         # Adam's two moments: the most any supported optimizer keeps
         options = StateOptions.of(config, param_bytes=param_bytes, moments=2,
                                   sums_windows=accumulate_grad_batches > 1)
-        buffers = UnitBuffers.of(module, units, param_bytes, forward, self.group.world_size)
+        buffers = UnitBuffers.of(module, units, param_bytes, forward, self.group.world_size,
+                                 kept=not config.reshard_after_forward)
         gathered = buffers.most
         traced = probe if machine.accelerator_capacity is not None else None  # a CPU holds any step
 

@@ -67,6 +67,7 @@ class ZoffStrategy(FrontDoor, ParallelStrategy):
         wrap_policy: set[type[nn.Module]] | list[type[nn.Module]] | None = None,
         activation_checkpointing_policy: set[type[nn.Module]] | list[type[nn.Module]] | Literal["auto"] | int | None
         = "auto",
+        reshard_after_forward: bool = True,
         start_method: StartMethod = "subprocess",
         weights_to_main_process: bool = False,
         pin_memory: bool = True,

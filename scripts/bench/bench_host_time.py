@@ -1,6 +1,7 @@
 """Where the host's time goes in a step too small for the device to matter: a GPT of many tiny blocks on CPU, under
-zoff with every unit's state "on the accelerator" (the CPU stands in: the path the GPU's units take) and under
-Lightning's single-device strategy, one after the other.
+zoff with every unit's state "on the accelerator" (the CPU stands in: the path the GPU's units take), the same with
+each unit kept gathered from its forward to its backward (`reshard_after_forward=False`), and under Lightning's
+single-device strategy, one after the other.
 
 On the GPU, a 1B model at batch 1 waits for the host's launches (1x H100, 2026-12-07: gpt1b 0.61-0.71x GPU-only,
 the GPU busy less than half the step), so the host's time per step is what to cut; this measures it without a GPU.
@@ -8,7 +9,7 @@ Each run's median step (unprofiled steps), then as many steps under cProfile: th
 (FSDP2's hooks, zoff, Lightning, torch's Python, torch's C++ ops, the model) and the functions that spend the most.
 Prints a table and writes JSON (results.write_result: `--out`, or bench/results/<date>_<machine>_host_time.json).
 
-    python scripts/bench/bench_host_time.py [--blocks 24] [--steps 20] [--runs zoff plain] [--out FILE.json]
+    python scripts/bench/bench_host_time.py [--blocks 24] [--steps 20] [--runs zoff zoff_kept plain] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -87,8 +88,13 @@ class HostTimes(pl.Callback):
                                         **breakdown(self.profile, self.steps)}))
 
 
+# zoff_kept: each unit stays gathered from its forward to its backward (reshard_after_forward=False)
+STRATEGIES = {"zoff": dict(accelerator_state=1.0),
+              "zoff_kept": dict(accelerator_state=1.0, reshard_after_forward=False)}
+
+
 def run(name: str, blocks: int, steps: int) -> dict[str, Any]:
-    strategy: Any = ZoffStrategy(start_method="fork", accelerator_state=1.0) if name == "zoff" else "auto"
+    strategy: Any = ZoffStrategy(start_method="fork", **STRATEGIES[name]) if name in STRATEGIES else "auto"
     pl.seed_everything(0)
     tokens = torch.randint(0, VOCAB, (4 * (WARMUP + 2 * steps), SEQ + 1))
     data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=1)
@@ -107,7 +113,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--blocks", type=int, default=24)
     parser.add_argument("--steps", type=int, default=20, help="timed steps, then as many profiled")
-    parser.add_argument("--runs", nargs="+", choices=("zoff", "plain"), default=["zoff", "plain"])
+    parser.add_argument("--runs", nargs="+", choices=(*STRATEGIES, "plain"), default=["zoff", "plain"])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)  # the host's Python, not its cores, is measured

@@ -181,6 +181,16 @@ for stage in "$@"; do
     no_regression)  # where the model fits the GPU: zoff next to GPU-only training
       timeout 330 python3 scripts/bench/bench.py --model gpt7b --batch 4 --accumulate 1 --steps 5 --warmup 2 --runs gpu_only zoff --out "$OUT/gpt7b_b4.json" 2>&1 | grep -v "^INFO" | tail -6 | tee "$OUT/no_regression.txt"
       timeout 200 python3 scripts/bench/bench.py --model gpt1b --batch 8 --accumulate 1 --steps 6 --warmup 2 --runs gpu_only zoff --out "$OUT/gpt1b_b8.json" 2>&1 | grep -v "^INFO" | tail -6 | tee -a "$OUT/no_regression.txt" ;;
+    reshard_kept)  # gpt1b at batch 8 and 1: GPU-only, zoff, and zoff with each unit gathered from its forward to its
+      # backward (reshard_after_forward=False: no all-gather in backward; on the 2-core box FSDP2's host time a step
+      # fell by a third); whether "auto" should choose it where the plan has room
+      for b in 8 1; do
+        timeout 200 python3 scripts/bench/bench.py --model gpt1b --batch $b --accumulate 1 --steps 20 --warmup 3 \
+            --runs gpu_only zoff --out "$OUT/gpt1b_b${b}.json" 2>&1 | grep -E "^ +(gpu_only|zoff) " | tee -a "$OUT/reshard_kept.txt"
+        timeout 100 python3 scripts/bench/bench.py --model gpt1b --batch $b --accumulate 1 --steps 20 --warmup 3 \
+            --runs zoff --zoff-option reshard_after_forward=False --out "$OUT/gpt1b_b${b}_kept.json" 2>&1 \
+            | grep -E "^ +zoff " | sed "s/^/kept: /" | tee -a "$OUT/reshard_kept.txt"
+      done ;;
     fsdp2_cpu_offload)  # FSDP2's own CPU offload next to zoff and the synchronous engine, gpt1b at accumulate 1 and 4
       timeout ${BENCH_TIMEOUT:-400} python3 scripts/bench/bench.py --runs fsdp2_cpu_offload zoff zoff_sync --accumulate 1 4 --steps 5 --warmup 2 --out "$OUT/fsdp2_cpu_offload.json" 2>&1 | grep -v "^INFO" | tail -40 | tee "$OUT/fsdp2_cpu_offload.txt" ;;
     litgpt_1b)  # LitGPT's GPT (Llama-3.2-1B's config, random init) in LitGPT's setup order: zoff, then Fabric's FSDP as
