@@ -31,6 +31,8 @@ from lightning_zoff.units import Unit
 
 # the attribute of each FSDP2 unit's modules that says how shard_model sharded them: keep_gathered restores it
 RESHARDS_AFTER_FORWARD = "_zoff_reshard_after_forward"
+# set on each FSDP2 unit's modules within keep_gathered: a no-grad forward leaves the unit gathered
+KEPT_BY_CALLER = "_zoff_kept_gathered"
 
 
 def param_names(module: nn.Module) -> dict[int, list[str]]:
@@ -86,6 +88,8 @@ def shard_model(
         fully_shard(modules, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
         for module in unit.modules:
             setattr(module, RESHARDS_AFTER_FORWARD, reshard_after_forward)
+            if not reshard_after_forward:  # after FSDP2's own post-forward hook
+                module.register_forward_hook(_given_up_after_a_no_grad_forward)
     materialize(model, init_fn)  # buffers of modules outside every unit
     share_one_root(model, mesh)
     sharded = dict(model.named_parameters())
@@ -121,6 +125,15 @@ def inputs_in(param_dtype: torch.dtype, device_type: str = "cpu") -> MixedPrecis
     a model whose parameters it casts itself; on GPUs inputs stay as the model made them."""
     sixteen_bit = param_dtype != torch.float32 and device_type == "cpu"
     return MixedPrecisionPolicy(param_dtype=param_dtype if sixteen_bit else None, cast_forward_inputs=sixteen_bit)
+
+
+def _given_up_after_a_no_grad_forward(module: nn.Module, args: Any, output: Any) -> None:
+    """With reshard_after_forward=False a unit stays gathered until its backward gives the parameters up; a forward
+    without grad (validation, predict) has no backward, so the unit gives them up here, as FSDP2 does by default:
+    the engine's updates go to the shards, and a unit left gathered would serve the old weights and its unsharded
+    parameters in place of the shards (unless `keep_gathered` keeps it so)."""
+    if not torch.is_grad_enabled() and not getattr(module, KEPT_BY_CALLER, False):
+        cast(FSDPModule, module).reshard()
 
 
 def _output_not_a_view(module: nn.Module, args: Any, output: Any) -> Any:
@@ -319,9 +332,11 @@ def keep_gathered(model: nn.Module) -> Iterator[None]:
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
+        setattr(unit, KEPT_BY_CALLER, True)
     try:
         yield
     finally:
         for unit in units:  # as shard_model sharded it
             unit.set_reshard_after_forward(getattr(unit, RESHARDS_AFTER_FORWARD, True), recurse=False)
+            setattr(unit, KEPT_BY_CALLER, False)
             unit.reshard()

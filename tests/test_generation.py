@@ -94,8 +94,9 @@ def test_hf_generate_with_cache_gives_the_tokens_of_full_forwards(preset, draw):
 PROMPT, SAMPLE_TOKENS = b"def f(x):", 24
 
 
-def fit(module: pl.LightningModule, callback: pl.Callback) -> None:
-    strategy = ZoffStrategy(start_method="fork", weights_to_main_process=True)  # the sample test reads them
+def fit(module: pl.LightningModule, callback: pl.Callback, **options) -> None:
+    # the sample test reads the weights in the main process
+    strategy = ZoffStrategy(start_method="fork", weights_to_main_process=True, **options)
     data = SyntheticDataModule(vocab_size=256, block_size=16, batch_size=2, num_samples=64)
     helpers.trainer.fit(module, data, strategy, max_steps=1, callbacks=[callback], limit_val_batches=0)
 
@@ -154,12 +155,14 @@ MODELS = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", MODELS)
-def test_sample_under_zoff_gathers_once_and_gives_the_tokens_of_full_forwards(tmp_path, model):
+@pytest.mark.parametrize(("model", "kept"), [("gpt", False), ("qwen3_tiny", False), ("gpt", True)])
+def test_sample_under_zoff_gathers_once_and_gives_the_tokens_of_full_forwards(tmp_path, model, kept):
+    """`kept`: units kept gathered from forward to backward in training (reshard_after_forward=False) still gather
+    once for a sample, and each no-grad forward outside it gives the parameters back."""
     build, logits_of = MODELS[model]
     pl.seed_everything(0)
     module = sharpened(build())
-    fit(module, SampleInRanks(tmp_path, logits_of))
+    fit(module, SampleInRanks(tmp_path, logits_of), reshard_after_forward=not kept)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0] == ranks[1]
     result = ranks[0]

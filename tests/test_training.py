@@ -352,6 +352,32 @@ def test_units_kept_gathered_until_backward_give_the_same_bits_with_half_the_gat
     assert kept_gathers * 2 == gathers, (kept_gathers, gathers)
 
 
+class TokensWithValidation(pl.LightningDataModule):
+    def train_dataloader(self):
+        return token_loader()
+
+    def val_dataloader(self):
+        return token_loader(n=16, seed=1)
+
+
+@pytest.mark.slow
+def test_units_kept_gathered_through_a_validation_forward_still_train_on_fresh_weights(tmp_path):
+    """A no-grad forward (validation every 2 optimizer steps) has no backward to give the kept units' parameters up:
+    the next steps must still train on the updated weights, as the default does, bit for bit."""
+    results = {}
+    for keep in (False, True):
+        out = tmp_path / f"keep_{keep}"
+        pl.seed_everything(7)
+        module = TinyModule()
+        strategy = ZoffStrategy(start_method="fork", weights_to_main_process=True, reshard_after_forward=not keep)
+        helpers.trainer.fit(module, TokensWithValidation(), strategy, out=out, max_steps=6, accumulate=2, clip=0.84,
+                            val_check_interval=4, num_sanity_val_steps=0, limit_val_batches=2)
+        results[keep] = (read_probe(out)["losses"], module.state_dict())
+    assert results[True][0] == results[False][0]
+    for a, b in zip(results[True][1].values(), results[False][1].values(), strict=True):
+        assert torch.equal(a, b)
+
+
 class CountingBlock(tiny.Block):
     def __init__(self) -> None:
         super().__init__()
