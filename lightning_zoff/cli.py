@@ -31,6 +31,7 @@ from lightning_zoff.app.progress import progress_bar
 from lightning_zoff.app.quiet import QuietRanks, quiet
 from lightning_zoff.config import removed_option
 from lightning_zoff.doors import FrontDoor
+from lightning_zoff.placement import PlanDoesNotFit
 
 _CLI_EXTRA = RequirementCache("jsonargparse[signatures]>=4.27.7")  # what LightningCLI itself requires
 
@@ -132,8 +133,13 @@ def main(args: list[str] | None = None, run: bool = True) -> LightningCLI:
         raise SystemExit("python -m lightning_zoff.cli needs LightningCLI's parser: pip install 'lightning-zoff[cli]'"
                          " (or, from a checkout, pip install -e '.[cli]').")
     quiet()  # ranks started by running the command again pass here too
-    return ZoffCLI(pl.LightningModule, pl.LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
-                   parser_class=OneLineErrorParser, args=args, run=run)
+    try:
+        return ZoffCLI(pl.LightningModule, pl.LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                       parser_class=OneLineErrorParser, args=args, run=run)
+    except PlanDoesNotFit as err:  # the ranks' plan, at setup, before anything was sharded: its numbers and options
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # the ranks this command started again refuse alike, silently
+            print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

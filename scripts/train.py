@@ -47,6 +47,7 @@ from lightning_zoff.app.quiet import QuietRanks, quiet
 from lightning_zoff.app.report import LossHistory, StepBreakdown, readable
 from lightning_zoff.examples.corpus import DataValueError
 from lightning_zoff.optim import update_rule_for
+from lightning_zoff.placement import PlanDoesNotFit
 from lightning_zoff.precision_math import SUPPORTED_PRECISION
 from train_overrides import hydra_refusal, unknown_keys
 
@@ -255,12 +256,14 @@ def checked_checkpoint(cfg: DictConfig, strategy: pl.strategies.Strategy, optimi
 
 def refuse(message: str, run_dir: Path) -> NoReturn:
     """Stop before training: one line, the value named (a traceback would say no more), exit status 2, and no job
-    directory left behind (Hydra made it at the job's start), unless it held more than Hydra writes there at the
-    start: a directory used before keeps all it had."""
+    directory left behind (Hydra made it at the job's start; the logger's empty version directory, where the ranks
+    started), unless it held more than Hydra writes there at the start: a directory used before keeps all it had."""
     print(f"error: {message}", file=sys.stderr)
     cwd = Path.cwd()
     hydra_files = {".hydra", f"{HydraConfig.get().job.name}.log"}
-    if run_dir != cwd and {entry.name for entry in run_dir.iterdir()} <= hydra_files:
+    others = [entry for entry in run_dir.iterdir() if entry.name not in hydra_files]
+    empty = all(entry.is_dir() and not any(p.is_file() for p in entry.rglob("*")) for entry in others)
+    if run_dir != cwd and empty:
         shutil.rmtree(run_dir)
         for parent in run_dir.parents:  # outputs/<date>/ and outputs/ when they are empty now; a sweep's stays
             if parent == cwd or not parent.is_relative_to(cwd) or any(parent.iterdir()):
@@ -326,7 +329,10 @@ def main(cfg: DictConfig) -> None:
     # Only with empty_init: otherwise init_module would build on the root device, and a CUDA parent cannot fork
     with trainer.init_module(empty_init=True) if cfg.empty_init else contextlib.nullcontext():
         model = instantiate(cfg.model, optimizer=optimizer_factory)
-    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+    try:
+        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+    except PlanDoesNotFit as err:  # the ranks' plan, at setup, before anything was sharded: its numbers and options
+        refuse(str(err), run_dir)
 
 
 if __name__ == "__main__":

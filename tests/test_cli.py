@@ -52,6 +52,24 @@ def test_fit_from_yaml_with_the_strategy_name(tmp_path):
     assert config["trainer"]["max_steps"] == 3
 
 
+@pytest.mark.slow
+def test_a_model_the_machine_cannot_hold_is_refused_by_the_plan_in_one_line(tmp_path):
+    """The plan refuses in every rank at setup; the command prints its line once (the rank it started again stays
+    silent), no traceback, and exits 2."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "ZOFF_HOST_MEMORY_BYTES": str(10**6)}  # the plan's host: 1 MB
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_zoff.cli", "fit", "--config", str(CLI / "gpt_tiny.yaml"),
+         "--trainer.max_steps=1"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1
+    assert errors[0].startswith("error: zoff: the optimizer state of ")
+    assert "does not fit the host" in errors[0]
+
+
 def test_class_path_variant_sets_the_options():
     cli = main(["--config", str(CLI / "gpt_tiny.yaml"), "--config", str(CLI / "zoff_class_path.yaml"),
                 "--trainer.strategy.init_args.grad_accum_on=accelerator", "--trainer.logger=false"], run=False)

@@ -225,3 +225,17 @@ def test_a_bad_strategy_value_is_one_line_naming_its_key(tmp_path, value, messag
     line = assert_refused(tmp_path, value)
     assert line.startswith(f"error: {message}")
     assert not (tmp_path / "outputs").exists()
+
+
+def test_a_model_the_machine_cannot_hold_is_refused_by_the_plan_in_one_line(tmp_path, monkeypatch):
+    """The plan refuses in the ranks, at setup, before anything is sharded: the job prints the plan's line (its
+    numbers and the options that would fit) as its error, no traceback, exits 2 and leaves no job directory."""
+    monkeypatch.setenv("ZOFF_HOST_MEMORY_BYTES", str(10**6))  # the plan's host: 1 MB
+    refused = run_refused(tmp_path, "trainer.max_steps=1", *RUN)
+    assert refused.returncode == 2, (refused.returncode, refused.stderr[-3000:])
+    assert "Traceback" not in refused.stderr
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [refused.stderr.splitlines()[-1]]
+    assert errors[0].startswith("error: zoff: the optimizer state of ")
+    assert "does not fit the host" in errors[0]
+    assert not (tmp_path / "outputs").exists()
