@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 
 from lightning_zoff import ZoffFabricStrategy
 from lightning_zoff.app import resume
+from lightning_zoff.placement import PlanDoesNotFit
 from train_overrides import hydra_refusal, unknown_keys
 
 
@@ -94,7 +95,11 @@ def main(cfg: DictConfig) -> None:
             sys.exit(2)
     fabric = Fabric(accelerator=t.accelerator, devices=t.devices, num_nodes=t.get("num_nodes", 1),
                     precision=t.precision, strategy=strategy)
-    fabric.launch(train, cfg, Path(HydraConfig.get().runtime.output_dir), ckpt_path)
+    try:
+        fabric.launch(train, cfg, Path(HydraConfig.get().runtime.output_dir), ckpt_path)
+    except PlanDoesNotFit as err:  # the ranks' plan, at setup, before anything was sharded: its numbers and options
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ import torch
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.multiprocessing import ProcessRaisedException
 
 from helpers.compare import rel_err
 from helpers.fabric_loop import FabricTiny, micro_batch, train, trainer_loader
@@ -188,7 +187,7 @@ def test_unsupported_optimizer_is_refused():
         module = FabricTiny()
         fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
 
-    with pytest.raises(ProcessRaisedException, match="SGD"):
+    with pytest.raises(TypeError, match="SGD"):  # the rank's own exception, raised in the main process
         zoff_fabric().launch(sgd)
 
 
@@ -203,7 +202,7 @@ def test_plan_that_does_not_fit_is_refused_before_sharding(monkeypatch):
         module = FabricTiny()
         fabric.setup(module, module.configure_optimizers())
 
-    with pytest.raises(ProcessRaisedException, match=PlanDoesNotFit.__name__):
+    with pytest.raises(PlanDoesNotFit, match="does not fit the host"):
         zoff_fabric().launch(fit)
 
 

@@ -82,3 +82,15 @@ def test_a_checkpoint_of_either_door_resumed_by_the_other_goes_on_from_its_step(
     assert f"resumed from {trained} at step 6" in resumed.stdout
     assert logged_steps(resumed.stdout) == [7, 8]
     assert checkpoint_files.read(checkpoint_of(resumed.stdout), None)["global_step"] == 8
+
+
+def test_a_model_the_machine_cannot_hold_is_refused_by_the_plan_in_one_line(tmp_path, monkeypatch):
+    """The ranks' plan refuses at `fabric.setup`; the Fabric launcher raises the rank's own PlanDoesNotFit in the
+    main process, and the script prints its line, no traceback, exit status 2."""
+    monkeypatch.setenv("ZOFF_HOST_MEMORY_BYTES", str(10**6))  # the plan's host: 1 MB
+    refused = run_forked(SCRIPT, "trainer.max_steps=1", *SMALL, cwd=tmp_path)
+    assert refused.returncode == 2, (refused.returncode, refused.stderr[-3000:])
+    assert "Traceback" not in refused.stderr
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [refused.stderr.splitlines()[-1]]
+    assert errors[0].startswith("error: zoff: the optimizer state of ")

@@ -30,7 +30,6 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_zoff._compat_lightning import (
-    FabricMultiProcessingLauncher,
     FabricSubprocessScriptLauncher,
     fabric_strategy_precision,
     set_fabric_strategy_precision,
@@ -39,6 +38,7 @@ from lightning_zoff.config import ZoffConfig, with_options_doc
 from lightning_zoff.contract import Core
 from lightning_zoff.doors import FrontDoor, check_accum_dtype, check_optimizers
 from lightning_zoff.fabric import checkpoints
+from lightning_zoff.fabric.launcher import ZoffFabricMultiProcessingLauncher
 from lightning_zoff.fabric.precision import ZoffFabricPrecision
 from lightning_zoff.launch import ranks
 from lightning_zoff.launch.cpus import CpuLayout
@@ -55,7 +55,7 @@ class ZoffFabricStrategy(FrontDoor, ParallelStrategy):
     fields' docs."""
 
     script_launcher = FabricSubprocessScriptLauncher
-    process_launcher = FabricMultiProcessingLauncher
+    process_launcher = ZoffFabricMultiProcessingLauncher
     root_runs_forward = True  # fabric's loop calls the model
 
     def __init__(self, accelerator: Any = None, parallel_devices: list[torch.device] | None = None,

@@ -9,14 +9,13 @@ starts.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
-import pickle
 import shutil
 import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from lightning_zoff._compat_lightning import (
 )
 from lightning_zoff.checkpoint import files as checkpoint_files
 from lightning_zoff.launch.rank_errors import prepare_node
+from lightning_zoff.launch.rank_exceptions import raise_saved, run_saving_error
 from lightning_zoff.sharding import param_names
 from lightning_zoff.trainer.checks import check_configured_optimizers, check_supported
 from lightning_zoff.trainer.loops import fabric_step_count
@@ -41,10 +41,6 @@ from lightning_zoff.trainer.loops import fabric_step_count
 # Set on the main process's LightningModule after a fit whose trained weights stayed in the ranks: it still holds
 # the weights it had before that fit. Loading weights into it clears the mark.
 _WEIGHTS_IN_RANKS = "_zoff_weights_in_ranks"
-
-
-class RankTraceback(Exception):
-    """The traceback of an exception raised in a rank, shown as the cause of that exception in the main process."""
 
 
 class ZoffSubprocessScriptLauncher(SubprocessScriptLauncher):
@@ -83,11 +79,7 @@ class ZoffMultiProcessingLauncher(MultiProcessingLauncher):
             raise ProcessExitedException(self._killed_message(err), err.error_index, err.error_pid, err.exit_code,
                                          err.signal_name) from None
         except ProcessRaisedException as err:
-            raised = _load_error(self._error_dir, err.error_index)
-            if raised is None:  # the exception did not survive pickling: torch's report, with the traceback text
-                raise
-            error, text = raised
-            raise error from RankTraceback(f"raised in rank {self._global_rank(err.error_index)}:\n{text}")
+            raise_saved(self._error_dir, err, self._global_rank(err.error_index))
         finally:
             shutil.rmtree(self._error_dir, ignore_errors=True)
 
@@ -110,11 +102,8 @@ class ZoffMultiProcessingLauncher(MultiProcessingLauncher):
 
     @override
     def _wrapping_function(self, process_idx: int, *args: Any) -> None:
-        try:
-            super()._wrapping_function(process_idx, *args)
-        except Exception as err:  # for the main process to raise it as it is; torch's wrapper reports it too
-            _save_error(self._error_dir, process_idx, err)
-            raise
+        wrapped = functools.partial(super()._wrapping_function, process_idx, *args)
+        run_saving_error(self._error_dir, process_idx, wrapped)  # for the main process to raise as it is
 
     def _global_rank(self, process_idx: int) -> int:
         strategy = launcher_strategy(self)
@@ -236,22 +225,6 @@ def _check_weights_current(function: Callable, args: Any, kwargs: Any, trainer: 
 
 def _weights_loaded(module: Any, incompatible_keys: Any) -> None:
     module.__dict__.pop(_WEIGHTS_IN_RANKS, None)
-
-
-def _save_error(error_dir: str, process_idx: int, err: Exception) -> None:
-    text = "".join(traceback.format_exception(err))
-    try:
-        payload = pickle.dumps((err, text))
-    except Exception:  # an exception that cannot be pickled reaches the main process as torch's report
-        return
-    Path(error_dir, str(process_idx)).write_bytes(payload)
-
-
-def _load_error(error_dir: str, process_idx: int) -> tuple[Exception, str] | None:
-    try:
-        return pickle.loads(Path(error_dir, str(process_idx)).read_bytes())
-    except Exception:  # not written, or its class cannot be rebuilt here
-        return None
 
 
 class _PeakRss(threading.Thread):

@@ -1,0 +1,53 @@
+"""A rank's exception carried to the main process of a forked or spawned launch: the rank saves it (pickled, with
+its traceback as text) before torch's wrapper reports it, and the launcher raises it there as itself, the rank's
+traceback as its cause, in place of torch's `ProcessRaisedException` (which holds only the text). A caller can then
+catch the error's own type: the main job prints a plan's refusal as one line."""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from torch.multiprocessing import ProcessRaisedException
+
+
+class RankTraceback(Exception):
+    """The traceback of an exception raised in a rank, shown as the cause of that exception in the main process."""
+
+
+def run_saving_error(error_dir: str, process_idx: int, run: Callable[[], object]) -> None:
+    """In the rank: `run()` (the launcher's own wrapping of the rank's function); an exception it raises is saved for
+    `raise_saved` first, and then raised on, for torch's wrapper to report as well."""
+    try:
+        run()
+    except Exception as err:
+        save_error(error_dir, process_idx, err)
+        raise
+
+
+def save_error(error_dir: str, process_idx: int, err: Exception) -> None:
+    """In the rank: `err` and its traceback into `error_dir`, for `raise_saved`."""
+    text = "".join(traceback.format_exception(err))
+    try:
+        payload = pickle.dumps((err, text))
+    except Exception:  # an exception that cannot be pickled reaches the main process as torch's report
+        return
+    Path(error_dir, str(process_idx)).write_bytes(payload)
+
+
+def load_error(error_dir: str, process_idx: int) -> tuple[Exception, str] | None:
+    try:
+        return pickle.loads(Path(error_dir, str(process_idx)).read_bytes())
+    except Exception:  # not written, or its class cannot be rebuilt here
+        return None
+
+
+def raise_saved(error_dir: str, report: ProcessRaisedException, global_rank: int) -> None:
+    """In the main process: the exception the failed rank saved, raised as itself; torch's `report` where none was."""
+    raised = load_error(error_dir, report.error_index)
+    if raised is None:
+        raise report
+    error, text = raised
+    raise error from RankTraceback(f"raised in rank {global_rank}:\n{text}")
