@@ -234,6 +234,33 @@ def test_each_run_may_have_its_own_time_limit(monkeypatch):
     assert limits == [300.0, 200.0]
 
 
+def test_a_run_cut_after_its_training_ended_keeps_its_measurement(monkeypatch):
+    """Session 23's MegaTrain run logged its last step and was cut at its limit before it reported (it reported when
+    its function returned, after the teardown). It reports at the end of training now: a cut after that keeps the
+    measurement, and says so; a cut before it is a timeout."""
+    from zoffbench.harness import ChildRun
+
+    args = bench.parse_args(["--runs", "zoff", "--run-timeout-s", "235"])
+    measured = {"name": "zoff", "step_s_median": 19.0, "reported_at": 1000.0}
+
+    def cut(reported):
+        return lambda *a, **k: ChildRun(
+            command=["serve"], output="capture", returncode=-9, timeout_s=235.0, timed_out=True, wall_s=235.0,
+            ended_at=1004.5, peak_tree_rss=1, peak_rss_by_pid={}, peak_tree_pss=None, pss_read_s=None,
+            results={0: measured} if reported else {}, stdout="", stderr="zoff rank 0: state: 7 unit(s) on the GPU\n")
+
+    monkeypatch.setattr(bench, "run_function", cut(reported=True))
+    entry = bench.run_child(args, "zoff", accumulate=18, steps=5, warmup=1)
+    assert entry["step_s_median"] == 19.0
+    assert entry["cut_after_measuring"] == "timed out after 235.0 s"
+    assert entry["exit_s"] == pytest.approx(4.5)
+    assert entry["zoff_lines"] == ["zoff rank 0: state: 7 unit(s) on the GPU"]
+    assert "error" not in entry
+    monkeypatch.setattr(bench, "run_function", cut(reported=False))
+    entry = bench.run_child(args, "zoff", accumulate=18, steps=5, warmup=1)
+    assert (entry["outcome"], entry["error"]) == ("timeout", "timed out after 235.0 s")
+
+
 @pytest.mark.slow
 def test_a_preset_call_records_its_config_and_every_peers_outcome(tmp_path):
     """The megatrain preset on the CPU: Lightning's FSDP (GPU only) and torchao (not installed, or no GPU) are

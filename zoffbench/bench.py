@@ -48,7 +48,9 @@ every parameter at every step, e.g. ZenFlow, bf16 moments), "step_s_median", "st
 "vs_best_exact_deepspeed", ...}, ...]}. DeepSpeed runs add "deepspeed_config" (the dict DeepSpeed got), the ratio run
 "ratio" and "ratio_tries" (each try's ratio, outcome and error). A run that fails keeps its entry, with "error" (the
 failure's last meaningful line), "outcome" ("gpu_oom",
-"host_oom", "timeout" or "error") and "stderr_tail" instead of the measurements. `--add-to JSON` puts an earlier call's
+"host_oom", "timeout" or "error") and "stderr_tail" instead of the measurements. A run measures when its training
+ends, before its teardown: one cut by its limit after that keeps its measurement, with "cut_after_measuring" (the
+limit it ran past) and "exit_s" (from the measurement to its end). `--add-to JSON` puts an earlier call's
 runs (the same --config on the same kind of machine) first and names that call under "earlier_calls": a preset whose
 peers cannot all run within one call's time still gives one JSON with every peer's outcome.
 
@@ -77,6 +79,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from zoffbench import configs
 from zoffbench.deepspeed_runs import DEEPSPEED_RUNS, RATIOS
@@ -127,12 +130,17 @@ def run_child(args: argparse.Namespace, name: str, accumulate: int, steps: int, 
     child = run_function(run_one, kwargs, output="capture", timeout_s=limits.get(name, limits.get(None)),
                          pss_interval_s=PSS_INTERVAL_S)
     pss = child.peak_tree_pss or None  # 0: the run ended before the first pass
-    host = {"host_tree_peak_gb": child.peak_tree_rss / 1e9, "host_tree_peak_pss_gb": pss / 1e9 if pss else None,
-            "pss_read_s": child.pss_read_s, "wall_s": child.wall_s}
-    if child.ok and 0 in child.results:  # rank 0's: the other ranks measured their own share
+    host: dict[str, Any] = {"host_tree_peak_gb": child.peak_tree_rss / 1e9,
+                            "host_tree_peak_pss_gb": pss / 1e9 if pss else None, "pss_read_s": child.pss_read_s,
+                            "wall_s": child.wall_s}
+    # rank 0's: the other ranks measured their own share. A run reports when its training ends, before the teardown:
+    # one cut by its limit after that keeps its measurement, and says so
+    if 0 in child.results and (child.ok or child.timed_out):
         measured = child.results[0]
         if "reported_at" in measured:  # the process's end after its measurement: teardown and exit
             host["exit_s"] = child.ended_at - measured["reported_at"]
+        if child.timed_out:
+            host["cut_after_measuring"] = child.failure()
         return {**measured, **host, **plan_against_tree(measured.get("memory"), args.devices, pss),
                 "zoff_lines": zoff_lines(child.stderr)}
     error = child.failure()

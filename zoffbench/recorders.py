@@ -1,7 +1,7 @@
 """The Lightning callbacks the scripts record training with (harness.py's part that needs Lightning and torch):
-`StepRecorder`, each batch's loss and wall time (the check scripts), and `WindowTimer`, each optimizer step's phases
-and GPU memory (scripts/bench/bench.py); and what the bench's own loops (fabric_run.py, torchao_run.py) time and read
-with them: `synchronized_now`, `process_peaks`."""
+`StepRecorder`, each batch's loss and wall time (the check scripts), `WindowTimer`, each optimizer step's phases and
+GPU memory (scripts/bench/bench.py), and `AtTrainEnd`, which measures before the teardown; and what the bench's own
+loops (fabric_run.py, torchao_run.py) time and read with them: `synchronized_now`, `process_peaks`."""
 
 from __future__ import annotations
 
@@ -38,6 +38,18 @@ class StepRecorder(pl.Callback):
         self.times.append(time.perf_counter() - self._start)
         if self.verbose and trainer.global_rank == 0:
             print(f"step {len(self.losses):3d} loss {self.losses[-1]:.4f} {self.times[-1]:.3f} s", flush=True)
+
+
+class AtTrainEnd(pl.Callback):
+    """Calls `then()` when training ends, before the strategy's teardown (which frees the pinned host memory, and may
+    take long): what it reports is out even if the run is cut there."""
+
+    def __init__(self, then: Any) -> None:
+        self.then = then
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.then()
 
 
 Mark = Any  # a torch.cuda.Event recorded on the current stream, or perf_counter's seconds without CUDA

@@ -323,7 +323,8 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
 
     import lightning_zoff  # noqa: F401
     from zoffbench.data import RandomTokens, TextTokens
-    from zoffbench.recorders import WindowTimer, expandable_segments_in_use, process_peaks, retries_per_step
+    from zoffbench.harness import report
+    from zoffbench.recorders import AtTrainEnd, WindowTimer
 
     cap_gpu_memory(gpu_memory_gb)
     zoff_options = parse_options(zoff_option)
@@ -355,19 +356,37 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
     # DeepSpeed counts every micro-batch as an optimizer step (Lightning calls its step after each)
     steps_per_window = accumulate if getattr(strategy, "handles_gradient_accumulation", False) else 1
     timer = WindowTimer(accumulate, windows=steps + warmup)
+    entry: dict[str, Any] = {}
+
+    def measure() -> None:  # at the end of training, before the strategy's teardown: a run cut there keeps it
+        entry.update(measured_run(run, zoff_options, trainer, timer, module, params, warmup=warmup, clip=clip,
+                                  devices=devices, tokens_a_step=devices * batch * accumulate * cfg["block_size"]))
+        report(entry)
+
     trainer = pl.Trainer(accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=devices, strategy=strategy,
                          precision=precision,
                          max_steps=(steps + warmup) * steps_per_window, accumulate_grad_batches=accumulate,
                          gradient_clip_val=clip,
-                         callbacks=[timer], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         callbacks=[timer, AtTrainEnd(measure)], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False,
                          enable_model_summary=False, limit_val_batches=0)
     module = build_module(trainer)
     params = sum(p.numel() for p in module.parameters())
     trainer.fit(module, datamodule=data_module)
+    return entry
+
+
+def measured_run(run: BenchRun, zoff_options: dict, trainer: Any, timer: Any, module: Any, params: int, *,
+                 warmup: int, clip: float | None, devices: int, tokens_a_step: int) -> dict:
+    """The entry of a run that trained (`timer`: its WindowTimer), its `warmup` steps left out of the medians;
+    `tokens_a_step`: all ranks' together."""
+    from zoffbench.recorders import expandable_segments_in_use, process_peaks, retries_per_step
+
+    name = run.name
     measured = slice(warmup, None)
     step_s = statistics.median(timer.steps[measured])
     norms = [t["zoff/grad_norm"] for t in timer.zoff if "zoff/grad_norm" in t]
-    tokens_per_s = devices * batch * accumulate * cfg["block_size"] / step_s  # all ranks together
+    tokens_per_s = tokens_a_step / step_s
     # zoff's phase times arrive a step late on CUDA (StepTimer): a step may lack them
     zoff = {key: statistics.median(t[key] for t in timer.zoff[measured] if key in t) for key in timer.zoff[-1]}
     # zoff's own count includes the forwards that waited for overlapped updates; the callback's brackets only
