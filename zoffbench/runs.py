@@ -315,9 +315,10 @@ def cap_gpu_memory(gpu_memory_gb: float | None) -> None:
 def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int, batch: int, devices: int,
             zoff_option: list[str], ratio: float | None = None, gpu_memory_gb: float | None = None,
             layers: int | None = None, checkpointing: bool = False, clip: float | None = 1.0, seq: int | None = None,
-            num_workers: int = 0, data: str = "random") -> dict:
+            num_workers: int = 0, data: str = "random") -> dict | None:
     """Train run `name` for `warmup` + `steps` optimizer steps on `data` (random tokens or the main job's text, through
-    `num_workers` loader processes) and measure it: this rank's entry of bench.py's JSON."""
+    `num_workers` loader processes) and measure it: this rank's entry of bench.py's JSON, returned (the plain loops of
+    torchao and Fabric) or reported by the run itself when its training ended (the Trainer's runs: None)."""
     import lightning.pytorch as pl
     import torch
 
@@ -356,12 +357,10 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
     # DeepSpeed counts every micro-batch as an optimizer step (Lightning calls its step after each)
     steps_per_window = accumulate if getattr(strategy, "handles_gradient_accumulation", False) else 1
     timer = WindowTimer(accumulate, windows=steps + warmup)
-    entry: dict[str, Any] = {}
 
     def measure() -> None:  # at the end of training, before the strategy's teardown: a run cut there keeps it
-        entry.update(measured_run(run, zoff_options, trainer, timer, module, params, warmup=warmup, clip=clip,
-                                  devices=devices, tokens_a_step=devices * batch * accumulate * cfg["block_size"]))
-        report(entry)
+        report(measured_run(run, zoff_options, trainer, timer, module, params, warmup=warmup, clip=clip,
+                            devices=devices, tokens_a_step=devices * batch * accumulate * cfg["block_size"]))
 
     trainer = pl.Trainer(accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=devices, strategy=strategy,
                          precision=precision,
@@ -373,7 +372,7 @@ def run_one(name: str, model_name: str, accumulate: int, steps: int, warmup: int
     module = build_module(trainer)
     params = sum(p.numel() for p in module.parameters())
     trainer.fit(module, datamodule=data_module)
-    return entry
+    return None  # `measure` reported the entry when training ended
 
 
 def measured_run(run: BenchRun, zoff_options: dict, trainer: Any, timer: Any, module: Any, params: int, *,

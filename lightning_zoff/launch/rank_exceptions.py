@@ -6,8 +6,11 @@ catch the error's own type: the main job prints a plan's refusal as one line."""
 from __future__ import annotations
 
 import pickle
+import shutil
+import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from torch.multiprocessing import ProcessRaisedException
@@ -19,7 +22,7 @@ class RankTraceback(Exception):
 
 def run_saving_error(error_dir: str, process_idx: int, run: Callable[[], object]) -> None:
     """In the rank: `run()` (the launcher's own wrapping of the rank's function); an exception it raises is saved for
-    `raise_saved` first, and then raised on, for torch's wrapper to report as well."""
+    `raised_as_themselves` first, and then raised on, for torch's wrapper to report as well."""
     try:
         run()
     except Exception as err:
@@ -28,7 +31,7 @@ def run_saving_error(error_dir: str, process_idx: int, run: Callable[[], object]
 
 
 def save_error(error_dir: str, process_idx: int, err: Exception) -> None:
-    """In the rank: `err` and its traceback into `error_dir`, for `raise_saved`."""
+    """In the rank: `err` and its traceback into `error_dir`, for `raised_as_themselves`."""
     text = "".join(traceback.format_exception(err))
     try:
         payload = pickle.dumps((err, text))
@@ -44,10 +47,18 @@ def load_error(error_dir: str, process_idx: int) -> tuple[Exception, str] | None
         return None
 
 
-def raise_saved(error_dir: str, report: ProcessRaisedException, global_rank: int) -> None:
-    """In the main process: the exception the failed rank saved, raised as itself; torch's `report` where none was."""
-    raised = load_error(error_dir, report.error_index)
-    if raised is None:
-        raise report
-    error, text = raised
-    raise error from RankTraceback(f"raised in rank {global_rank}:\n{text}")
+@contextmanager
+def raised_as_themselves(global_rank: Callable[[int], int]) -> Iterator[str]:
+    """In the main process, around a launch: a directory for the ranks' `run_saving_error`; torch's report of a rank's
+    exception becomes the exception the rank saved, raised as itself (`global_rank`: of a process index)."""
+    error_dir = tempfile.mkdtemp(prefix="zoff-errors-")
+    try:
+        yield error_dir
+    except ProcessRaisedException as report:
+        raised = load_error(error_dir, report.error_index)
+        if raised is None:
+            raise
+        error, text = raised
+        raise error from RankTraceback(f"raised in rank {global_rank(report.error_index)}:\n{text}")
+    finally:
+        shutil.rmtree(error_dir, ignore_errors=True)

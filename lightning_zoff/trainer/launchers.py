@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import shutil
 import tempfile
 import threading
 import time
@@ -22,7 +21,7 @@ from typing import Any
 
 import psutil
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+from torch.multiprocessing import ProcessExitedException
 from typing_extensions import override
 
 from lightning_zoff._compat_lightning import (
@@ -33,7 +32,7 @@ from lightning_zoff._compat_lightning import (
 )
 from lightning_zoff.checkpoint import files as checkpoint_files
 from lightning_zoff.launch.rank_errors import prepare_node
-from lightning_zoff.launch.rank_exceptions import raise_saved, run_saving_error
+from lightning_zoff.launch.rank_exceptions import raised_as_themselves, run_saving_error
 from lightning_zoff.sharding import param_names
 from lightning_zoff.trainer.checks import check_configured_optimizers, check_supported
 from lightning_zoff.trainer.loops import fabric_step_count
@@ -69,19 +68,15 @@ class ZoffMultiProcessingLauncher(MultiProcessingLauncher):
         _check_before_ranks_start(trainer, function, args, kwargs, optimizers=False)
         if trainer is not None:
             _check_weights_current(function, args, kwargs, trainer)
-        self._error_dir = tempfile.mkdtemp(prefix="zoff-errors-")
         self._peak_rss: _PeakRss | None = None
-        try:
-            return super().launch(function, *args, trainer=trainer, **kwargs)
-        except ProcessExitedException as err:
-            if err.signal_name != "SIGKILL":
-                raise
-            raise ProcessExitedException(self._killed_message(err), err.error_index, err.error_pid, err.exit_code,
-                                         err.signal_name) from None
-        except ProcessRaisedException as err:
-            raise_saved(self._error_dir, err, self._global_rank(err.error_index))
-        finally:
-            shutil.rmtree(self._error_dir, ignore_errors=True)
+        with raised_as_themselves(self._global_rank) as self._error_dir:
+            try:
+                return super().launch(function, *args, trainer=trainer, **kwargs)
+            except ProcessExitedException as err:
+                if err.signal_name != "SIGKILL":
+                    raise
+                raise ProcessExitedException(self._killed_message(err), err.error_index, err.error_pid,
+                                             err.exit_code, err.signal_name) from None
 
     @property
     def procs(self) -> list[Any]:
