@@ -21,12 +21,11 @@ import contextlib
 import os
 import re
 import resource
-import shutil
 import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import hydra
 import lightning.pytorch as pl
@@ -40,6 +39,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
+from job_refusal import refuse
 from lightning_zoff import ZoffStatsMonitor, ZoffStrategy  # importing the package registers the "zoff" strategy names
 from lightning_zoff.app import resume
 from lightning_zoff.app.progress import progress_bar
@@ -252,24 +252,6 @@ def checked_checkpoint(cfg: DictConfig, strategy: pl.strategies.Strategy, optimi
     if checkpoint is not None:
         resume.check_trains(checkpoint, cfg.trainer, named)
     return path
-
-
-def refuse(message: str, run_dir: Path) -> NoReturn:
-    """Stop before training: one line, the value named (a traceback would say no more), exit status 2, and no job
-    directory left behind (Hydra made it at the job's start; the logger's empty version directory, where the ranks
-    started), unless it held more than Hydra writes there at the start: a directory used before keeps all it had."""
-    print(f"error: {message}", file=sys.stderr)
-    cwd = Path.cwd()
-    hydra_files = {".hydra", f"{HydraConfig.get().job.name}.log"}
-    others = [entry for entry in run_dir.iterdir() if entry.name not in hydra_files]
-    empty = all(entry.is_dir() and not any(p.is_file() for p in entry.rglob("*")) for entry in others)
-    if run_dir != cwd and empty:
-        shutil.rmtree(run_dir)
-        for parent in run_dir.parents:  # outputs/<date>/ and outputs/ when they are empty now; a sweep's stays
-            if parent == cwd or not parent.is_relative_to(cwd) or any(parent.iterdir()):
-                break
-            parent.rmdir()
-    sys.exit(2)
 
 
 def check_optimizer(strategy: pl.strategies.Strategy, optimizer_factory, choice: str) -> None:

@@ -23,6 +23,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.accelerators.cuda import num_cuda_devices
 from omegaconf import DictConfig
 
+from job_refusal import refuse
 from lightning_zoff import ZoffFabricStrategy
 from lightning_zoff.app import resume
 from lightning_zoff.placement import PlanDoesNotFit
@@ -91,15 +92,13 @@ def main(cfg: DictConfig) -> None:
             if checkpoint is not None:
                 resume.check_trains(checkpoint, t, named)
         except ValueError as err:
-            print(f"error: {err}", file=sys.stderr)
-            sys.exit(2)
+            refuse(str(err), Path(HydraConfig.get().runtime.output_dir))
     fabric = Fabric(accelerator=t.accelerator, devices=t.devices, num_nodes=t.get("num_nodes", 1),
                     precision=t.precision, strategy=strategy)
     try:
         fabric.launch(train, cfg, Path(HydraConfig.get().runtime.output_dir), ckpt_path)
     except PlanDoesNotFit as err:  # the ranks' plan, at setup, before anything was sharded: its numbers and options
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        refuse(str(err), Path(HydraConfig.get().runtime.output_dir))
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def test_a_checkpoint_of_either_door_resumed_by_the_other_goes_on_from_its_step(
 
 def test_a_model_the_machine_cannot_hold_is_refused_by_the_plan_in_one_line(tmp_path, monkeypatch):
     """The ranks' plan refuses at `fabric.setup`; the Fabric launcher raises the rank's own PlanDoesNotFit in the
-    main process, and the script prints its line, no traceback, exit status 2."""
+    main process, and the script prints its line, no traceback, exit status 2, and leaves no job directory."""
     monkeypatch.setenv("ZOFF_HOST_MEMORY_BYTES", str(10**6))  # the plan's host: 1 MB
     refused = run_forked(SCRIPT, "trainer.max_steps=1", *SMALL, cwd=tmp_path)
     assert refused.returncode == 2, (refused.returncode, refused.stderr[-3000:])
@@ -94,3 +94,4 @@ def test_a_model_the_machine_cannot_hold_is_refused_by_the_plan_in_one_line(tmp_
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [refused.stderr.splitlines()[-1]]
     assert errors[0].startswith("error: zoff: the optimizer state of ")
+    assert not (tmp_path / "outputs").exists()
