@@ -68,6 +68,15 @@ class Machine:
         return 0 if self.accelerator_capacity is None else slack_bytes(self.accelerator_capacity)
 
 
+def accelerator_capacity(device: torch.device) -> int:
+    """What this process's CUDA allocator can hold on `device`: its free memory and what it has reserved, capped by a
+    per-process memory fraction. Other processes' contexts and allocations on the device are not in it."""
+    free, total = torch.cuda.mem_get_info(device)
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    cap = int(total * (get_fraction(device) if get_fraction is not None else 1.0))
+    return min(cap, free + torch.cuda.memory_reserved(device))
+
+
 def measure_machine(group: RankGroup, loader_workers: int = 0) -> Machine:
     """The host's available memory (ZOFF_HOST_MEMORY_BYTES overrides it: tests, shared hosts) split among the node's
     ranks, and what this process's CUDA allocator can hold (a per-process memory fraction counts); `loader_workers`:
@@ -75,12 +84,7 @@ def measure_machine(group: RankGroup, loader_workers: int = 0) -> Machine:
     same numbers (they read the host at slightly different moments), so their plans and their reports agree."""
     device = group.device
     available = int(os.environ.get("ZOFF_HOST_MEMORY_BYTES", 0)) or psutil.virtual_memory().available
-    accelerator = None
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        cap = int(total * (get_fraction(device) if get_fraction is not None else 1.0))
-        accelerator = min(cap, free + torch.cuda.memory_reserved(device))
+    accelerator = accelerator_capacity(device) if device.type == "cuda" else None
     machine = Machine(available // group.ranks_on_node, accelerator, loader_workers)
     if group.world_size > 1 and group_is_up():
         readings = torch.tensor([machine.host_available, machine.accelerator_capacity or -1], dtype=torch.float64)

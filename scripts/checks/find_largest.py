@@ -7,7 +7,8 @@ until one trains. Each try is one scripts/bench/bench.py run in its own process 
 
 Shape: `--model`'s width, heads, vocabulary and sequence (gpt13b: d=5120, 40 heads, seq 1024) at `--batch` 4. The
 prediction (zoff runs) takes the host memory available now (less what a run's process holds before zoff plans, about
-`--process-gb`; or ZOFF_HOST_MEMORY_BYTES, which every run's plan then takes too) and the GPU's memory, and asks zoff's
+`--process-gb`; or ZOFF_HOST_MEMORY_BYTES, which every run's plan then takes too) and the GPU's memory as a run's
+setup reads it (in a child process: no CUDA context stays here to take memory from the runs), and asks zoff's
 own plan for the most layers whose state and step fit after "auto" placed it: the step as zoff traces it at setup
 (`placement/step_trace.py`, blocks recomputed as "auto" does at these sizes), traced at 6 and 8 layers and taken as
 linear in the layers, with FSDP2's buffers at each size. The run above the prediction should be refused at setup by the
@@ -22,10 +23,11 @@ before any try}, "tries": [bench entries with "layers", "params", "outcome" ("tr
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import functools
 import json
+import multiprocessing
 import os
-import subprocess
 import sys
 import tempfile
 from dataclasses import replace
@@ -36,6 +38,7 @@ import torch
 from lightning_zoff.examples.gpt import GPTModule
 from lightning_zoff.placement import Machine, PlanDoesNotFit, StateOptions, StepProbe, UnitShape, plan_memory
 from lightning_zoff.placement.fsdp_buffers import UnitBuffers
+from lightning_zoff.placement.machine import accelerator_capacity
 from lightning_zoff.placement.plan import REDUCED_IN_FLIGHT, StepMemory
 from lightning_zoff.placement.rank import gathered_bytes, in_forward_order, unit_shapes_before_sharding
 from lightning_zoff.placement.step_trace import trace_step_work
@@ -114,11 +117,20 @@ def predict_layers(cfg: dict, batch: int, moment_bytes: int, host_available: int
     return best
 
 
-def gpu_memory() -> int:
-    """The GPU's memory less what a CUDA context takes, read without making one here (nvidia-smi)."""
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, check=True).stdout
-    return int(out.split()[0]) * 2**20 - 2**30
+def predict_in_a_child(cfg: dict, batch: int, moments: dict[str, int], host_available: int) -> tuple[int, dict]:
+    """The GPU's capacity as a run reads it and the predicted layers of each run (`moments`: run -> moment bytes),
+    found in a child process: a CUDA context here would stay for the search and take its memory from every run it
+    starts (1x H100, 2026-12-07: the runs planned with 0.55 GB less than the prediction's `total - 1 GiB`, and the
+    predicted 49 layers with bf16 moments were refused by 0.1 GB)."""
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
+        return child.submit(_predict, cfg, batch, moments, host_available).result()
+
+
+def _predict(cfg: dict, batch: int, moments: dict[str, int], host_available: int) -> tuple[int, dict]:
+    cuda = torch.device("cuda")
+    torch.cuda.init()
+    gpu = accelerator_capacity(cuda)  # before anything is allocated, as a run's setup reads it
+    return gpu, {run: predict_layers(cfg, batch, m, host_available, gpu, cuda) for run, m in moments.items()}
 
 
 def try_size(args: argparse.Namespace, run: str, layers: int) -> dict:
@@ -169,13 +181,11 @@ def main() -> None:
     # more or less host than the machine has); the prediction takes it as they will
     overridden = int(os.environ.get("ZOFF_HOST_MEMORY_BYTES", 0))
     host = overridden or int(psutil.virtual_memory().available - args.process_gb * 1e9)
-    gpu = gpu_memory()
-    cuda = torch.device("cuda")
-    predicted = {run: predict_layers(cfg, args.batch, MOMENTS[run], host, gpu, cuda) for run in args.runs
-                 if run in MOMENTS}
+    gpu, predicted = predict_in_a_child(cfg, args.batch, {run: MOMENTS[run] for run in args.runs if run in MOMENTS},
+                                        host)
     for run, layers in predicted.items():
         print(f"predicted: {run} {layers} layers ({gpt_params(cfg, layers) / 1e9:.2f}B) on {host / 1e9:.0f} GB of host"
-              f" and {gpu / 2**30:.0f} GiB of GPU", flush=True)
+              f" and {gpu / 1e9:.1f} GB of GPU", flush=True)
     if args.predict_only:
         return
     out = args.out or result_path("largest")  # once: every write goes to the same file
