@@ -3,12 +3,14 @@ memory, the refusal of what cannot fit, and the moves a measured peak asks for."
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from lightning_zoff.placement import Machine, Placement, PlanDoesNotFit, StateOptions, UnitShape, plan_memory
 from lightning_zoff.placement.machine import GB, HOST_RESERVE
-from lightning_zoff.placement.plan import host_bytes_per_element, unit_buffers
+from lightning_zoff.placement.plan import host_bytes_per_element, ring_bytes, unit_buffers
 from lightning_zoff.placement.policy import fewer_for_accelerator, more_for_accelerator
 from lightning_zoff.placement.rank import held_peak
 
@@ -27,17 +29,46 @@ def test_a_units_bytes_by_hand():
     # accelerator: state only; FSDP2's reduced shard is held, FSDP2's shards take the parameters
     assert unit_buffers(shape, BF16_ADAM, ACCEL) == {"master": 24, "moments": 48, "grad_sum": 0}
     # a window sum of fp32 on either side, Lion's one bf16 moment, 32-true's 4-byte landing and no out buffer
-    lion = StateOptions(param_bytes=4, moment_bytes=2, moments=1, sum_bytes=4)
+    # (without overlap: with it, the host units land in the shared staging ring instead)
+    lion = StateOptions(param_bytes=4, moment_bytes=2, moments=1, sum_bytes=4, speculates=False)
     assert unit_buffers(shape, lion, HOST) == {"master": 24, "moments": 12, "grad_sum": 40, "grad_landing": 40,
                                                "param_out": 0}
     assert unit_buffers(shape, lion, ACCEL) == {"master": 24, "moments": 12, "grad_sum": 40}
+    ringed = StateOptions(param_bytes=4, moment_bytes=2, moments=1, sum_bytes=4)
+    assert unit_buffers(shape, ringed, HOST) == {"master": 24, "moments": 12, "grad_sum": 40}
+
+
+def test_the_staging_ring_by_hand():
+    """Where windows sum on the host with overlap, the host units share a ring of RING_UNITS (3) of the largest unit's
+    landing or 16-bit copy, never more than their own buffers would have taken."""
+    options = StateOptions(param_bytes=2, moment_bytes=4, moments=2, sum_bytes=4)
+    assert options.landing_ring
+    units = [UnitShape("a", 100, 100, True), UnitShape("b", 60, 100, False)]
+    units += [UnitShape(f"c.{i}", 500, 500, True) for i in range(4)]
+    assert ring_bytes(units, options) == 3 * 2 * 500  # a c's landing: 1000 B
+    # a, b and one c: their own landings (200, 200, 1000) and b's out (120) are less than 3 x 1000
+    assert ring_bytes(units[:3], options) == 200 + 200 + 120 + 1000
+    assert ring_bytes([], options) == 0
+    # no ring: windows of one micro-batch (the landing holds the gradient until the step), without overlap, or with
+    # the window's sum on the accelerator
+    for other in (replace(options, sum_bytes=0), replace(options, speculates=False),
+                  replace(options, sum_on_accelerator=True)):
+        assert not other.landing_ring
+        assert ring_bytes(units, other) == 0
+    # the plan holds it on the host beside the units' own buffers: 6 host units of 1B elements
+    plan = plan_memory(BLOCKS, options, machine(1000), "none", model_bytes=0)
+    assert plan.ring_bytes == 3 * 2 * 10**9
+    assert plan.host_bytes == 6 * 16 * 10**9 + plan.spare_sets * 14 * 10**9 + plan.ring_bytes
+    assert plan.report()["host_staging"] == plan.ring_bytes
 
 
 @pytest.mark.parametrize(("options", "per_element"), [
     (BF16_ADAM, 14),  # 12 of state, 2 of gradient (the parameters go back from the same bytes)
     (StateOptions(param_bytes=2, moment_bytes=2, moments=2, sum_bytes=0), 10),  # bf16 moments
-    (StateOptions(param_bytes=2, moment_bytes=4, moments=2, sum_bytes=4), 18),  # an fp32 window sum
-    (StateOptions(param_bytes=2, moment_bytes=4, moments=2, sum_bytes=2), 16),  # a bf16 window sum
+    # an fp32 window sum; with overlap the gradient lands in the shared staging ring, not in 2 B of its own
+    (StateOptions(param_bytes=2, moment_bytes=4, moments=2, sum_bytes=4, speculates=False), 18),
+    (StateOptions(param_bytes=2, moment_bytes=4, moments=2, sum_bytes=4), 16),
+    (StateOptions(param_bytes=2, moment_bytes=4, moments=2, sum_bytes=2), 14),  # a bf16 window sum
     (StateOptions(param_bytes=4, moment_bytes=4, moments=2, sum_bytes=0), 16),  # 32-true: a 4-byte gradient
     (StateOptions(param_bytes=2, moment_bytes=4, moments=1, sum_bytes=0), 10),  # Lion
 ])

@@ -141,14 +141,29 @@ class MemoryReport(pl.Callback):
         torch.save(report, self.out / f"memory{trainer.global_rank}.pt")
 
 
-def fit_deep_gpt(out: Path) -> list[dict]:
+def fit_deep_gpt(out: Path, accumulate: int = 1) -> list[dict]:
     # a GPT's shape: 24 equal blocks and a root unit (embeddings, final norm, head); a bf16 model, fp32 moments,
-    # accumulate 1, overlap on
+    # overlap on
     out.mkdir()
     module = GPTModule(vocab_size=VOCAB, block_size=SEQ, n_layer=24, n_head=2, n_embd=32, bias=False)
-    helpers.trainer.fit(module, token_loader(n=16), ZoffStrategy(start_method="fork"), precision="bf16-true",
-                        max_steps=2, callbacks=[MemoryReport(out)])
+    helpers.trainer.fit(module, token_loader(n=16 * accumulate), ZoffStrategy(start_method="fork"),
+                        precision="bf16-true", max_steps=2, accumulate=accumulate, callbacks=[MemoryReport(out)])
     return [torch.load(out / f"memory{rank}.pt") for rank in (0, 1)]
+
+
+def test_windows_summed_on_the_host_land_in_one_staging_ring(tmp_path):
+    """With windows of two micro-batches the host units keep an fp32 sum each and no landing buffer of their own: one
+    ring of three of the largest unit's landings (a block's) serves them, and the engine holds
+    what the plan says."""
+    single, summed = fit_deep_gpt(tmp_path / "single"), fit_deep_gpt(tmp_path / "summed", accumulate=2)
+    for one, two in zip(single, summed, strict=True):
+        assert two["held"]["host"] == two["planned_host"] == two["host_total"]
+        landings = one["host_staging"]  # every unit's own 16-bit landing, with accumulate 1
+        # a block's: LayerNorms 2 x 32, qkv 96 x 32, proj 32 x 32, fc 128 x 32, proj 32 x 128 elements, this rank's
+        # half of them in 16 bits
+        block = 2 * (2 * 32 + 96 * 32 + 32 * 32 + 128 * 32 + 32 * 128) // 2
+        assert two["host_staging"] == 3 * block < landings
+        assert two["host_grad_sum"] == 2 * landings  # fp32 sums of the same elements
 
 
 def test_overlap_takes_as_many_spare_sets_as_the_host_has_room_for(tmp_path, monkeypatch):

@@ -4,9 +4,11 @@
    factor 1: the 1/world is folded into the step's scale) and calls `on_unit_reduced` on the copy stream (the hooks:
    `fsdp_hooks.py`). Just before, `_compat.before_reduce` notes which of the unit's parameters got a gradient in
    this backward and gives the others a zero one, so every rank reduces the same tensors (`on_grads_noted`). We copy
-   the shard, still in the parameter dtype (2 B/param in 16-bit modes), into the unit's pinned `grad_staging`
-   without blocking, record an event and hand the unit to the host worker (`GradientLanding.land`;
-   the worker, its priorities and the speculation: `scheduler.py`; this backward half: `landing.py`). The accelerator
+   the shard, still in the parameter dtype (2 B/param in 16-bit modes), into the unit's pinned `grad_staging` (where
+   windows sum on the host with overlap, a slot of the staging ring the host units share, `in_ring`, held until the
+   shard is in the sum: `placement/staging_ring.py`) without blocking, record an event and hand the unit to the host
+   worker (`GradientLanding.land`; the worker, its priorities and the speculation: `scheduler.py`; this backward
+   half: `landing.py`). The accelerator
    then frees FSDP2's copy as the next unit arrives, instead of holding every unit's gradient to the end. With
    `accumulate_on_accelerator`, the hook instead adds each shard into an fp32 buffer on the accelerator and the
    host receives the sum once, at the window's end (or after every micro-batch, freeing the buffer in between,
@@ -30,7 +32,8 @@
    the speculation. Otherwise, when the speculation was computed with this very scale, hyperparameters, steps and
    parameters it is the result; else the kernel runs in place on the untouched state (the spare set goes back to the
    pool, or the kept spare set becomes the state and the old state the pool's). In place, the kernel writes the
-   16-bit copy over the gradient it just read (`param_staging` is `grad_staging` where their layouts agree). Then
+   16-bit copy over the gradient it just read (`param_staging` is `grad_staging` where their layouts agree; a unit
+   `in_ring` writes it into a ring slot, given back once the copy up is done). Then
    copy the updated 16-bit shards host-to-device on a side stream into FSDP2's sharded parameters. The unit's next
    forward waits for exactly that copy (`gate`), nothing else does. A share of the host's units (`update_split.py`
    chooses them, `accelerator_update_share`) is instead updated by the accelerator: their master, moments and
@@ -132,7 +135,7 @@ class OffloadEngine:
                 device=self.state_device if where is Placement.HOST else self.param_device, moments=moments,
                 moment_dtype=config.moment_dtype, sums_windows=self.sums_windows, grad_sum_dtype=config.grad_sum_dtype,
                 pin=config.pin_memory and where is Placement.HOST,
-                pin_state=pin_state and where is Placement.HOST)
+                pin_state=pin_state and where is Placement.HOST, landing_ring=options.landing_ring)
         self.units = [built[layout.name] for layout, _ in layouts]
         self._modules = [module for _, module in layouts]
         on_cuda = self.param_device.type == "cuda"
@@ -145,14 +148,15 @@ class OffloadEngine:
                                 grad_sum_dtype=config.grad_sum_dtype, moment_dtype=config.moment_dtype,
                                 pin=config.pin_memory, pin_state=pin_state)
         self.updates = UnitUpdates(self.rule, optimizer, self.traffic, self.scheduler, world_size=world_size,
-                                   threads=threads, h2d_stream=h2d_stream, compute_stream=self.compute_stream)
+                                   threads=threads, h2d_stream=h2d_stream, compute_stream=self.compute_stream,
+                                   ring=self.mover.ring)
         self.split: UpdateSplit | None = None  # with lending: which host units the accelerator updates each step
         self._fit_lending()
         self.landing = GradientLanding(
             self.units, LandingOptions(config.grad_sum_dtype, config.pin_memory, config.grad_accum_on == "accelerator",
                                        config.retain_gpu_grad_partition_until_step, threads),
-            self.traffic, self.scheduler, self,
-            param_device=self.param_device, copy_stream=self.copy_stream, compute_stream=self.compute_stream)
+            self.traffic, self.scheduler, self, param_device=self.param_device, copy_stream=self.copy_stream,
+            compute_stream=self.compute_stream, ring=self.mover.ring)
         self._hooks: list[UnitHooks] = []
         self._detached = False
 
@@ -297,6 +301,12 @@ class OffloadEngine:
         """Make every trained shard on the accelerator the cast of its master again (after the masters were loaded)."""
         self.wait_idle()
         for unit in self.units:
+            if unit.in_ring and not unit.fp32_params:  # through a slot of the staging ring, given back at once
+                assert self.mover.ring is not None
+                out, slot = self.mover.ring.take(unit.master.numel(), unit.param_dtype)
+                self.updates.send(unit, unit.trained, out.copy_(unit.master), non_blocking=False)
+                self.mover.ring.release(slot)
+                continue
             if unit.param_staging is not None and not unit.fp32_params:
                 unit.param_staging.copy_(unit.master)
             self.updates.send(unit, unit.trained, unit.param_staging, non_blocking=False)

@@ -18,6 +18,7 @@ from lightning_zoff.offload.unit_state import Phase, UnitState
 from lightning_zoff.placement import Placement
 from lightning_zoff.placement.host_buffers import host_empty
 from lightning_zoff.placement.plan import REDUCED_IN_FLIGHT
+from lightning_zoff.placement.staging_ring import StagingRing
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class GradientLanding:
     def __init__(self, units: list[UnitState], options: LandingOptions, traffic: Traffic,
                  scheduler: HostScheduler | None, events: LandingEvents, *,
                  param_device: torch.device, copy_stream: torch.cuda.Stream | None,
-                 compute_stream: torch.cuda.Stream | None) -> None:
+                 compute_stream: torch.cuda.Stream | None, ring: StagingRing | None = None) -> None:
         self.units = units  # the engine's list
         self.options = options
         self.traffic = traffic
@@ -53,6 +54,7 @@ class GradientLanding:
         self.param_device = param_device
         self.copy_stream = copy_stream  # D2H: FSDP2 calls `on_unit_reduced` on it
         self.compute_stream = compute_stream  # the training loop's: where the accelerator's units update
+        self.ring = ring  # the host units' shared landing room (`UnitState.in_ring`), with `StateOptions.landing_ring`
         self.window_ends = False  # this backward is its window's last (the step follows)
         self.loss_scale = 1.0
         self.landed_order: list[UnitState] = []  # this backward's units, in the order their gradients arrived
@@ -106,6 +108,10 @@ class GradientLanding:
             self._accumulate(unit, self._grad_sum(unit), flat_grad, replace=unit.phase is Phase.EMPTY)
         elif not self.options.accumulate_on_accelerator or (window_ends and unit.phase is Phase.EMPTY):
             # host accumulation, or a window of one micro-batch: the 16-bit shard goes down as it is
+            if unit.in_ring:  # into the ring, until the worker has added it into the window's sum
+                assert self.ring is not None
+                assert unit.staging_slot is None
+                unit.grad_staging, unit.staging_slot = self.ring.take(unit.layout.flat_numel, unit.param_dtype)
             assert unit.grad_staging is not None
             unit.grad_staging.copy_(flat_grad, non_blocking=True)
             self.traffic.add(d2h_bytes=unit.grad_staging.nbytes)
@@ -219,7 +225,7 @@ class GradientLanding:
             elif unit.phase is not Phase.EMPTY:
                 assert arrived is not None
                 self._accumulate(unit, self._grad_sum(unit), arrived)
-            elif window_ends:
+            elif window_ends and not unit.in_ring:
                 unit.window_grad = arrived  # the kernel reads it there
             else:
                 assert arrived is not None
@@ -230,6 +236,10 @@ class GradientLanding:
                 if self.on_worker(unit):
                     self.events.unit_ready(unit)
         finally:
+            if unit.in_ring and unit.staging_slot is not None:  # added into the sum (or failed): the ring's again
+                assert self.ring is not None
+                self.ring.release(unit.staging_slot)
+                unit.grad_staging = unit.staging_slot = None
             if unit.grad_staging is None or unit.window_grad is not unit.grad_staging:
                 unit.staging_free.set()
             if self.scheduler is not None and self.on_worker(unit):

@@ -21,6 +21,7 @@ from lightning_zoff.optim.rules import GroupHyperparams
 from lightning_zoff.placement import Placement
 from lightning_zoff.placement.host_buffers import host_empty
 from lightning_zoff.placement.mover import SpareSet, make_buffers
+from lightning_zoff.placement.staging_ring import Slot
 
 __all__ = ["ParamState", "Phase", "Run", "TrainedParam", "UnitState", "UpdateKey", "build_unit_state", "kernel_runs",
            "param_states"]
@@ -122,6 +123,10 @@ class UnitState:
     # own, or the master for fp32 models; None on the accelerator, whose update writes FSDP2's shards directly
     param_staging: torch.Tensor | None
     used: list[bool]  # per slot: it got a gradient on this rank in this window
+    # a host unit whose landing and out buffers are slots of the shared staging ring (`placement/staging_ring.py`),
+    # taken for one landing or one update: `grad_staging` and `param_staging` are those slots while they are held
+    in_ring: bool = False
+    staging_slot: Slot | None = None  # the ring's slot `grad_staging` or `param_staging` is, while held
     phase: Phase = Phase.EMPTY
     window_grad: torch.Tensor | None = None  # grad_staging or grad_sum; None while EMPTY (and `grad_in_shards`)
     # on the accelerator, a window of one micro-batch: its gradient was written over FSDP2's shards of the trained
@@ -204,6 +209,7 @@ def build_unit_state(
     grad_sum_dtype: torch.dtype,
     pin: bool,
     pin_state: bool = False,
+    landing_ring: bool = False,
 ) -> UnitState:
     """State for the unit's trained parameters on `device`, their rows taken from `masters` (fp32 shards by id of
     the sharded parameter), which are consumed: the model's fp32 copies are freed as the state fills. `pin`: the
@@ -232,7 +238,8 @@ def build_unit_state(
     param_dtype = (layout.slots[0].param if layout.slots else layout.frozen[0]).dtype
     unit = UnitState(layout, placement, param_dtype, trained, spans, state, spare=None, grad_sum=None,
                      grad_staging=None, param_staging=None, used=[False] * len(layout.slots))
-    make_buffers(unit, device, sums_windows=sums_windows, grad_sum_dtype=grad_sum_dtype, pin=pin)
+    make_buffers(unit, device, sums_windows=sums_windows, grad_sum_dtype=grad_sum_dtype, pin=pin,
+                 landing_ring=landing_ring)
     unit.staging_free.set()
     return unit
 

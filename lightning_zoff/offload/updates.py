@@ -20,6 +20,7 @@ from lightning_zoff.optim.rules import GroupHyperparams, UpdateRule
 from lightning_zoff.optim.update import update, update_many
 from lightning_zoff.placement import Placement
 from lightning_zoff.placement.plan import UPDATE_PIECE
+from lightning_zoff.placement.staging_ring import StagingRing
 
 
 class UnitUpdates:
@@ -31,7 +32,8 @@ class UnitUpdates:
 
     def __init__(self, rule: UpdateRule, optimizer: torch.optim.Optimizer, traffic: Traffic,
                  scheduler: HostScheduler | None, *, world_size: int, threads: int | None,
-                 h2d_stream: torch.cuda.Stream | None, compute_stream: torch.cuda.Stream | None) -> None:
+                 h2d_stream: torch.cuda.Stream | None, compute_stream: torch.cuda.Stream | None,
+                 ring: StagingRing | None = None) -> None:
         self.rule = rule
         self.optimizer = optimizer
         self.traffic = traffic
@@ -40,6 +42,7 @@ class UnitUpdates:
         self.threads = threads
         self.h2d_stream = h2d_stream
         self.compute_stream = compute_stream
+        self.ring = ring  # where host units `in_ring` write their 16-bit parameters, until they went up
         self.lent: LentUpdates | None = None  # the engine sets it where the plan lends (`_fit_lending`)
         self._host_timing = (0.0, 0)  # the host's decided updates since the last `take_host_timing`: seconds, elements
 
@@ -81,6 +84,10 @@ class UnitUpdates:
             elif unit.grad_in_shards:  # nothing changes, but the shards hold the gradient: cast the masters again
                 self.send(unit, unit.trained, None, non_blocking=True)
         finally:
+            if unit.staging_slot is not None:  # the 16-bit parameters' slot: the ring's again once they went up
+                assert self.ring is not None
+                self.ring.release(unit.staging_slot, after=unit.params_copied)
+                unit.param_staging = unit.staging_slot = None
             if self.scheduler is not None:
                 self.scheduler.release(unit)  # a skipped step's speculation
             unit.speculation, unit.sumsq, unit.window_grad = None, None, None
@@ -101,6 +108,10 @@ class UnitUpdates:
             return
         grad, state, spare = unit.window_grad, unit.state, unit.spare
         assert grad is not None
+        if unit.in_ring and spare is None and not unit.fp32_params:  # `finalize` gives the slot back
+            assert self.ring is not None
+            assert unit.staging_slot is None
+            unit.param_staging, unit.staging_slot = self.ring.take(unit.master.numel(), unit.param_dtype)
         out = spare.out if spare is not None else unit.param_staging
         if unit.fp32_params:
             out = None  # the master is what goes to the accelerator

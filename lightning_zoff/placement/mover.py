@@ -15,6 +15,7 @@ import torch
 from lightning_zoff.placement.host_buffers import host_empty
 from lightning_zoff.placement.plan import MemoryPlan, Placement
 from lightning_zoff.placement.policy import back_for_room, fewer_for_accelerator, more_for_accelerator
+from lightning_zoff.placement.staging_ring import StagingRing
 
 if TYPE_CHECKING:  # the pipeline's types: the mover moves them, and loads none of the pipeline
     from lightning_zoff.offload.scheduler import SparePool
@@ -49,13 +50,17 @@ class StateMover:
         self.grad_sum_dtype, self.moment_dtype, self.pin = grad_sum_dtype, moment_dtype, pin
         self.pin_state = pin_state  # host state pinned too: the accelerator runs a share of its updates
         self._spare_trained = 0  # the size the pool's sets are made for
+        # the host units' shared landing and out buffer (`StateOptions.landing_ring`), sized with the pool
+        self.ring = StagingRing(0, host, pin) if plan.options.landing_ring else None
         self.resize_pool()
 
     def device(self, placement: Placement) -> torch.device:
         return self.host if placement is Placement.HOST else self.accelerator
 
     def resize_pool(self) -> None:
-        """Make or free spare sets until the pool holds the plan's (between steps)."""
+        """Make or free spare sets until the pool holds the plan's, and size the staging ring (between steps)."""
+        if self.ring is not None:
+            self.ring.resize(self.plan.ring_bytes)
         if self.pool is None:
             return
         shape = self.plan.spare_shape
@@ -86,7 +91,7 @@ class StateMover:
         for name in names:
             try:
                 relocate(by_name[name], placement, self.device(placement), grad_sum_dtype=self.grad_sum_dtype,
-                         pin=self.pin and placement is Placement.HOST,
+                         landing_ring=self.ring is not None, pin=self.pin and placement is Placement.HOST,
                          pin_state=self.pin_state and placement is Placement.HOST)
             except torch.OutOfMemoryError:
                 break  # the estimate was off: this unit stays as it was (relocate changes nothing on failure)
@@ -139,11 +144,13 @@ class StateMover:
             held[unit.placement.value] += sum(t.nbytes for t in unit.buffers())
         if self.pool is not None:
             held[Placement.HOST.value] += sum(t.nbytes for t in self.pool.free_buffers())
+        if self.ring is not None:
+            held[Placement.HOST.value] += self.ring.nbytes
         return held
 
 
 def relocate(unit: UnitState, placement: Placement, device: torch.device, *, grad_sum_dtype: torch.dtype, pin: bool,
-             pin_state: bool = False) -> None:
+             pin_state: bool = False, landing_ring: bool = False) -> None:
     """Move the unit's state to `device` (exact copies) and make its buffers there, freeing those it had; on failure
     nothing changes. Between windows only."""
     assert unit.at_rest
@@ -151,7 +158,8 @@ def relocate(unit: UnitState, placement: Placement, device: torch.device, *, gra
     try:
         unit.state = [host_empty(t.numel(), t.dtype, device, pin=pin_state).copy_(t) for t in unit.state]  # as built
         unit.placement = placement
-        make_buffers(unit, device, sums_windows=unit.grad_sum is not None, grad_sum_dtype=grad_sum_dtype, pin=pin)
+        make_buffers(unit, device, sums_windows=unit.grad_sum is not None, grad_sum_dtype=grad_sum_dtype, pin=pin,
+                     landing_ring=landing_ring)
     except BaseException:  # out of memory on the way: the unit stays as it was
         unit.state, unit.placement, unit.grad_sum, unit.grad_staging, unit.param_staging = before
         raise
@@ -159,16 +167,20 @@ def relocate(unit: UnitState, placement: Placement, device: torch.device, *, gra
 
 
 def make_buffers(unit: UnitState, device: torch.device, *, sums_windows: bool, grad_sum_dtype: torch.dtype,
-                 pin: bool) -> None:
+                 pin: bool, landing_ring: bool = False) -> None:
     """The unit's working buffers next to its state (`plan.unit_buffers` has their sizes): the window's gradient sum;
-    on the host, the buffer the gradient lands in and the one the 16-bit parameters leave from."""
+    on the host, the buffer the gradient lands in and the one the 16-bit parameters leave from, unless the host units
+    share the mover's staging ring (`landing_ring`: the landing and the update take their room there in turn)."""
     n, host = unit.layout.flat_numel, unit.placement is Placement.HOST
     unit.grad_sum = host_empty(n, grad_sum_dtype, device, pin and host).zero_() if sums_windows else None
-    unit.grad_staging = host_empty(n, unit.param_dtype, device, pin) if host else None
+    unit.grad_staging = host_empty(n, unit.param_dtype, device, pin) if host and not landing_ring else None
+    unit.in_ring = host and landing_ring
     if not host:
         unit.param_staging = None
     elif unit.fp32_params:
         unit.param_staging = unit.master
+    elif landing_ring:
+        unit.param_staging = None
     elif unit.same_layout:
         assert unit.grad_staging is not None
         unit.param_staging = unit.grad_staging[: unit.master.numel()]

@@ -6,6 +6,9 @@ A unit's optimizer state lives on one side (`Placement`). What it costs there, b
   16-bit parameters over it, in place, and they leave for the accelerator from there), ``param_out`` (the 16-bit
   parameters' own buffer, only where the state is not laid out as the gradient: some reduced parameters untrained)
   and ``grad_sum`` (the window's sum, when a window has several micro-batches). The landing and out buffers are pinned.
+  Where windows sum on the host with overlap, the host units have no landing or out buffer of their own: one pinned
+  staging ring serves them in turn (`ring_bytes`: a shard lands there until the worker adds it into ``grad_sum``, the
+  updated 16-bit parameters leave from there), 2 B per parameter less for a few units' worth.
 - on the accelerator: ``master``, ``moments`` and ``grad_sum``. No gradient is held per parameter: in a window of one
   micro-batch FSDP2's reduced shard is copied over the unit's own 16-bit shards (the step casts the master over them
   again), in longer ones added into ``grad_sum`` as it arrives; the update writes the 16-bit parameters straight into
@@ -45,6 +48,9 @@ LEND_PIECE = 1 << 24
 LEND_SLOTS = 3  # pieces in flight: one going up, one updated, one coming back
 # reduced gradient shards whose copy out of FSDP2's buffer may be pending while backward goes on (`landing.py`)
 REDUCED_IN_FLIGHT = 2
+# units' landings or 16-bit copies the host's shared staging ring holds at once (`StateOptions.landing_ring`): one
+# being copied down while the worker adds the last into its sum, and one more, so backward rarely waits for the ring
+RING_UNITS = 3
 
 
 class Placement(enum.Enum):
@@ -72,6 +78,13 @@ class StateOptions:
     retain_device_sum: bool = False  # ... for the whole window, every unit's at once
     speculates: bool = True  # host units update during backward, into the host's spare sets
     update_share: str | float = "none"  # of the host's updates the accelerator runs: "auto", "none" or a fraction
+
+    @property
+    def landing_ring(self) -> bool:
+        """Host units share one `StagingRing` instead of a landing buffer each: where windows sum on the host and the
+        worker lands each shard while backward goes on (a shard then needs its landing room only until it is added
+        into the window's sum, and the updated 16-bit parameters theirs only until they went up)."""
+        return self.sum_bytes > 0 and self.speculates and not self.sum_on_accelerator
 
     @classmethod
     def of(cls, config: ZoffConfig, *, param_bytes: int, moments: int, sums_windows: bool) -> StateOptions:
@@ -117,10 +130,21 @@ def unit_buffers(shape: UnitShape, options: StateOptions, placement: Placement) 
     """Bytes of each buffer the engine allocates for the unit at `placement` (`mover.make_buffers` makes them)."""
     buffers = {"master": 4 * shape.trained, "moments": options.moments * options.moment_bytes * shape.trained,
                "grad_sum": options.sum_bytes * shape.reduced}
-    if placement is Placement.HOST:
+    if placement is Placement.HOST and not options.landing_ring:
         buffers["grad_landing"] = options.param_bytes * shape.reduced
         buffers["param_out"] = 0 if shape.same_layout else options.out_bytes(shape.trained)
     return buffers
+
+
+def ring_bytes(host_units: list[UnitShape], options: StateOptions) -> int:
+    """The shared `StagingRing` of the host units (`StateOptions.landing_ring`; 0 without): room for `RING_UNITS` of
+    the largest unit's landing or 16-bit copy, never more than the units' own buffers would take."""
+    if not options.landing_ring or not host_units:
+        return 0
+    largest = max(max(options.param_bytes * s.reduced, options.out_bytes(s.trained)) for s in host_units)
+    own = sum(options.param_bytes * s.reduced + (0 if s.same_layout else options.out_bytes(s.trained))
+              for s in host_units)
+    return min(RING_UNITS * largest, max(own, largest))
 
 
 def host_bytes_per_element(options: StateOptions) -> int:
@@ -199,8 +223,13 @@ class MemoryPlan:
         return 0 if shape is None else self.options.state_bytes(shape.trained) + self.options.out_bytes(shape.trained)
 
     @property
+    def ring_bytes(self) -> int:
+        """The host units' shared staging ring (`StateOptions.landing_ring`), 0 without."""
+        return ring_bytes(self.units_on(Placement.HOST), self.options)
+
+    @property
     def host_bytes(self) -> int:
-        return self.state_on(Placement.HOST) + self.spare_sets * self.spare_set_bytes()
+        return self.state_on(Placement.HOST) + self.spare_sets * self.spare_set_bytes() + self.ring_bytes
 
     @property
     def lends(self) -> bool:
@@ -317,7 +346,7 @@ class MemoryPlan:
         host = self.units_on(Placement.HOST)
 
         def total(kind: str, units: list[UnitShape], placement: Placement) -> int:
-            return sum(unit_buffers(s, self.options, placement)[kind] for s in units)
+            return sum(unit_buffers(s, self.options, placement).get(kind, 0) for s in units)
 
         trained = sum(s.trained for s in self.shapes)
         on_accelerator = self.units_on(Placement.ACCELERATOR)
@@ -326,7 +355,8 @@ class MemoryPlan:
             "host_master": total("master", host, Placement.HOST),
             "host_optimizer_state": total("moments", host, Placement.HOST),
             "host_grad_sum": total("grad_sum", host, Placement.HOST),
-            "host_staging": total("grad_landing", host, Placement.HOST) + total("param_out", host, Placement.HOST),
+            "host_staging": total("grad_landing", host, Placement.HOST) + total("param_out", host, Placement.HOST)
+            + self.ring_bytes,
             "host_spare_state": self.spare_sets * self.spare_set_bytes(),
             "spare_sets": self.spare_sets,
             "host_total": self.host_bytes,

@@ -23,7 +23,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from lightning_zoff.placement.machine import Machine, size
-from lightning_zoff.placement.plan import MemoryPlan, Placement, StateOptions, StepMemory, UnitShape, unit_buffers
+from lightning_zoff.placement.plan import (
+    MemoryPlan,
+    Placement,
+    StateOptions,
+    StepMemory,
+    UnitShape,
+    ring_bytes,
+    unit_buffers,
+)
 from lightning_zoff.placement.refusal import PlanDoesNotFit, refusal
 
 # -- at setup ------------------------------------------------------------------------------------------------------
@@ -64,7 +72,9 @@ def place(plan: MemoryPlan, accelerator_state: str | float) -> MemoryPlan:
     else:
         sizes = {s.name: sum(unit_buffers(s, plan.options, Placement.HOST).values()) for s in shapes}
         building = max((4 * s.trained for s in shapes), default=0)  # one unit's fp32 copy while its state is made
-        on_accelerator = fewest_for_host(shapes, sizes, plan.machine.host_capacity - building)
+        # the host units' staging ring, at most its size for all of them
+        on_accelerator = fewest_for_host(shapes, sizes, plan.machine.host_capacity - building
+                                         - ring_bytes(list(shapes), plan.options))
     return plan.moved(on_accelerator, Placement.ACCELERATOR)
 
 
@@ -154,6 +164,12 @@ def more_for_accelerator(plan: MemoryPlan, peak: int) -> list[str]:
     return first_that_fit(host_first, costs, room)
 
 
+def host_room_for_units(plan: MemoryPlan) -> int:
+    """What the host has room for beside its units: the spare sets make way, the staging ring may grow to its size
+    for every unit."""
+    return plan.machine.host_capacity - plan.state_on(Placement.HOST) - ring_bytes(list(plan.shapes), plan.options)
+
+
 def fewer_for_accelerator(plan: MemoryPlan, peak: int) -> list[str]:
     """The accelerator's units (last in forward order first) to move back to the host when a step that peaked at
     `peak` bytes left less than half the margin free, so that all of it is free again; empty otherwise."""
@@ -161,7 +177,7 @@ def fewer_for_accelerator(plan: MemoryPlan, peak: int) -> list[str]:
     if capacity is None or peak + plan.machine.accelerator_margin // 2 <= capacity:
         return []
     excess = peak + plan.machine.accelerator_margin - capacity
-    host_room = plan.machine.host_capacity - plan.state_on(Placement.HOST)  # the spare sets make way
+    host_room = host_room_for_units(plan)
     chosen: list[str] = []
     for shape in reversed(plan.units_on(Placement.ACCELERATOR)):
         host_room -= sum(unit_buffers(shape, plan.options, Placement.HOST).values())
@@ -176,7 +192,7 @@ def back_for_room(plan: MemoryPlan, nbytes: int) -> list[str]:
     """The accelerator's units (last in forward order first) whose state adds up to at least `nbytes` there (at least
     one unit), as many of them as the host has room for: what to move back after a step ran out of accelerator
     memory; empty when the host can take none."""
-    host_room = plan.machine.host_capacity - plan.state_on(Placement.HOST)  # the spare sets make way
+    host_room = host_room_for_units(plan)
     chosen: list[str] = []
     freed = 0
     for shape in reversed(plan.units_on(Placement.ACCELERATOR)):
