@@ -270,6 +270,20 @@ for stage in "$@"; do
             t.get('zoff/between_s', 0)))" "$OUT/megatrain_recompute_$blocks.json" 2>&1 | tail -1 \
             | tee -a "$OUT/megatrain_recompute.txt"
       done ;;
+    megatrain_ring)  # issue 53: MegaTrain's configuration, zoff in another tree (carried as _baseline: be1d3d6, before
+      # the staging ring) and in this one, 3 measured steps after 1 each (55-110 s setup + ~70 s): recomputed blocks,
+      # the GPU's share of the state and TFLOP/s with the ring's 2 B/param of host back; carry .whl
+      [ -d _baseline/lightning_zoff ] || { echo "megatrain_ring: carry another source tree as _baseline"; exit 1; }
+      for side in _baseline .; do
+        label=$( [ $side = . ] && echo this || echo baseline )
+        (cd $side && PYTHONPATH=$DEPS$PWD timeout 285 python3 scripts/bench/bench.py --config megatrain_qwen25_7b \
+            --runs zoff --warmup 1 --steps 3 $(h100_cap) --run-timeout-s 280 --out "$OUT/megatrain_ring_$label.json" \
+            2>&1 | grep -E "^ +zoff " | sed "s/^/$label: /" | tee -a "$OUT/megatrain_ring.txt")
+        python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['runs'][0]; m=r.get('memory') or {}
+print(sys.argv[2], 'recomputed', r.get('recomputed_blocks'), 'gpu state GB', round(m.get('accelerator_optimizer_state', 0) / 1e9, 2),
+      'host staging GB', round(m.get('host_staging', 0) / 1e9, 2), 'TFLOP/s', r.get('model_tflops'))" \
+            "$OUT/megatrain_ring_$label.json" $label 2>&1 | tee -a "$OUT/megatrain_ring.txt"
+      done ;;
     megatrain_threads)  # does the host's update starve the training thread? MegaTrain's configuration with the update
       # kernels on $MEGATRAIN_THREADS threads (default "16 14": all the cores, then two left to the training thread
       # and the loader), 3 measured steps after 1 each (55-110 s setup + ~70 s); each step's first forward and exposed update
