@@ -4,8 +4,9 @@ added it into the unit's fp32 `grad_sum`, and the 16-bit copy only until it went
 serves them all instead of 2 B per parameter (MegaTrain's Qwen2.5-7B configuration, 18 micro-batches a step: 11.3 GB
 of the host's 106 GB, which held more of the state the GPU otherwise keeps beside the activations).
 
-Room is taken in order around the buffer and given back in any order: a slot is free once released and, where it was
-released after an event (a copy to the accelerator reading it), once that event completed. A taker waits while the
+Room is taken in order around the buffer. Slots are given back in any order, but room is reused in the order it was
+taken: behind the oldest slot still held, nothing is reused. A slot is free once released and, where it was released
+after an event (a copy to the accelerator reading it), once that event completed. A taker waits while the
 ring is full: the training thread in backward when the worker lags more than the ring holds (the step would wait for
 those landings anyway), the worker when a 16-bit copy is still going up."""
 
