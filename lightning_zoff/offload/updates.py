@@ -99,7 +99,7 @@ class UnitUpdates:
         """Run the update over every run of the key: into the spare set when speculating, else in place. On the host one
         kernel call per run (its threads split it); on the accelerator in pieces, through a bounded fp32 workspace."""
         on_host = unit.placement is Placement.HOST
-        if on_host and unit.params_copied is not None:  # param_staging still feeds the last step's copy
+        if on_host and not unit.in_ring and unit.params_copied is not None:  # param_staging feeds the last copy up
             unit.params_copied.synchronize()
         if unit.state_back is not None:  # the accelerator ran its last update: the state is coming back
             unit.state_back.synchronize()

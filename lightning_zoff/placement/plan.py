@@ -144,7 +144,7 @@ def ring_bytes(host_units: list[UnitShape], options: StateOptions) -> int:
     largest = max(max(options.param_bytes * s.reduced, options.out_bytes(s.trained)) for s in host_units)
     own = sum(options.param_bytes * s.reduced + (0 if s.same_layout else options.out_bytes(s.trained))
               for s in host_units)
-    return min(RING_UNITS * largest, max(own, largest))
+    return min(RING_UNITS * largest, own)
 
 
 def host_bytes_per_element(options: StateOptions) -> int:
