@@ -71,6 +71,8 @@ class Machine:
 def accelerator_capacity(device: torch.device) -> int:
     """What this process's CUDA allocator can hold on `device`: its free memory and what it has reserved, capped by a
     per-process memory fraction. Other processes' contexts and allocations on the device are not in it."""
+    if device.index is None:  # torch's per-process fraction wants an index
+        device = torch.device(device.type, torch.cuda.current_device())
     free, total = torch.cuda.mem_get_info(device)
     get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     cap = int(total * (get_fraction(device) if get_fraction is not None else 1.0))
