@@ -57,3 +57,22 @@ def test_the_prediction_trains_and_one_layer_more_is_refused_at_setup(tmp_path, 
     setup_of(tmp_path / "fits", monkeypatch, cfg, predicted, capacity)
     with pytest.raises(PlanDoesNotFit, match=r"needed at the step's peak"):
         setup_of(tmp_path / "above", monkeypatch, cfg, predicted + 1, capacity)
+
+
+def test_the_gpu_is_read_through_a_device_without_an_index(monkeypatch):
+    """find_largest's child reads `torch.device("cuda")`: torch's per-process fraction takes only an indexed device
+    (on the H100, 2026-12-07, it raised there), so the reading resolves the current device first."""
+    from lightning_zoff.placement.machine import accelerator_capacity
+
+    def fraction(device):
+        if torch.device(device).index is None:
+            raise ValueError("Expected a torch.device with a specified index or an integer")
+        return 0.5
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (70 * GiB, 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", fraction)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 2 * GiB)
+    assert accelerator_capacity(torch.device("cuda")) == 40 * GiB  # the fraction's cap below free + reserved
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)
+    assert accelerator_capacity(torch.device("cuda")) == 72 * GiB
