@@ -102,4 +102,5 @@ def step_metrics(times: dict[str, float] | None, traffic: Any, grad_norm: float,
         "zoff/speculations_redone": float(traffic.speculations_redone),
         "zoff/lent_units": float(traffic.lent_units),  # host units the accelerator updated, and their elements
         "zoff/lent_elements": float(traffic.lent_elements),
+        "zoff/landing_wait_s": traffic.landing_wait_s,  # backward waiting for the host's sums (`landing.py`)
     }

@@ -39,7 +39,7 @@ def test_a_units_bytes_by_hand():
 
 
 def test_the_staging_ring_by_hand():
-    """Where windows sum on the host with overlap, the host units share a ring of RING_UNITS (3) of the largest unit's
+    """Where windows sum on the host with overlap, the host units share a ring of `ring_units` (3) of the largest unit's
     landing or 16-bit copy, never more than their own buffers would have taken."""
     options = StateOptions(param_bytes=2, moment_bytes=4, moments=2, sum_bytes=4)
     assert options.landing_ring
@@ -49,10 +49,11 @@ def test_the_staging_ring_by_hand():
     # a, b and one c: their own landings (200, 200, 1000) and b's out (120) are less than 3 x 1000
     assert ring_bytes(units[:3], options) == 200 + 200 + 120 + 1000
     assert ring_bytes([], options) == 0
-    # no ring: windows of one micro-batch (the landing holds the gradient until the step), without overlap, or with
-    # the window's sum on the accelerator
+    # no ring: windows of one micro-batch (the landing holds the gradient until the step), without overlap, with
+    # the window's sum on the accelerator, or `staging_ring_units=0`
+    assert ring_bytes(units, replace(options, ring_units=2)) == 2 * 2 * 500
     for other in (replace(options, sum_bytes=0), replace(options, speculates=False),
-                  replace(options, sum_on_accelerator=True)):
+                  replace(options, sum_on_accelerator=True), replace(options, ring_units=0)):
         assert not other.landing_ring
         assert ring_bytes(units, other) == 0
     # the plan holds it on the host beside the units' own buffers: 6 host units of 1B elements

@@ -65,13 +65,14 @@ class Record(pl.Callback):
 
 
 def run(out: Path, *, overlap: bool, await_speculation: bool = False, accumulate: int = 1, where: str = "host",
-        moments: str = "fp32", clip: float | None = None):
+        moments: str = "fp32", clip: float | None = None, ring_units: int = 3):
     # norms run about 0.83-1.0 with one micro-batch and 0.74-0.87 with two: clip inside that range
     out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(3)
     helpers.trainer.fit(
         PoisonOneStep(), token_loader(n=2 * 2 * 4 * STEPS * accumulate),
-        ZoffStrategy(start_method="fork", overlap=overlap, grad_accum_on=where, optimizer_state_dtype=moments),
+        ZoffStrategy(start_method="fork", overlap=overlap, grad_accum_on=where, optimizer_state_dtype=moments,
+                     staging_ring_units=ring_units),
         plugins=[ZoffPrecision("16-mixed", scale=2.0**10, hysteresis=1)], max_steps=STEPS, accumulate=accumulate,
         clip=clip or (0.9 if accumulate == 1 else 0.81), callbacks=[Record(out, await_speculation)])
     return [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
@@ -114,6 +115,16 @@ def test_overlap_equals_synchronous_bitwise(tmp_path, accumulate, where, moments
             assert_same_bits(natural[rank], sync[rank])
 
 
+def test_any_staging_ring_gives_the_synchronous_bits(tmp_path):
+    # windows of two summed on the host, the worker's own timing: a ring of one unit's landing (backward waits for
+    # each sum before landing the next shard) and none (a landing buffer per host unit)
+    sync = run(tmp_path / "sync", overlap=False, accumulate=2)
+    for units in (1, 0):
+        ringed = run(tmp_path / f"ring{units}", overlap=True, accumulate=2, ring_units=units)
+        for rank in (0, 1):
+            assert_same_bits(ringed[rank], sync[rank])
+
+
 def test_overlap_equals_synchronous_when_every_step_is_clipped(tmp_path):
     # as Qwen3-4B at initialization: no speculation is ever kept, every update runs after the decision
     sync = run(tmp_path / "sync", overlap=False, clip=0.05)
@@ -141,12 +152,12 @@ class MemoryReport(pl.Callback):
         torch.save(report, self.out / f"memory{trainer.global_rank}.pt")
 
 
-def fit_deep_gpt(out: Path, accumulate: int = 1) -> list[dict]:
+def fit_deep_gpt(out: Path, accumulate: int = 1, **options) -> list[dict]:
     # a GPT's shape: 24 equal blocks and a root unit (embeddings, final norm, head); a bf16 model, fp32 moments,
     # overlap on
     out.mkdir()
     module = GPTModule(vocab_size=VOCAB, block_size=SEQ, n_layer=24, n_head=2, n_embd=32, bias=False)
-    helpers.trainer.fit(module, token_loader(n=16 * accumulate), ZoffStrategy(start_method="fork"),
+    helpers.trainer.fit(module, token_loader(n=16 * accumulate), ZoffStrategy(start_method="fork", **options),
                         precision="bf16-true", max_steps=2, accumulate=accumulate, callbacks=[MemoryReport(out)])
     return [torch.load(out / f"memory{rank}.pt") for rank in (0, 1)]
 
@@ -164,6 +175,12 @@ def test_windows_summed_on_the_host_land_in_one_staging_ring(tmp_path):
         block = 2 * (2 * 32 + 96 * 32 + 32 * 32 + 128 * 32 + 32 * 128) // 2
         assert two["host_staging"] == 3 * block < landings
         assert two["host_grad_sum"] == 2 * landings  # fp32 sums of the same elements
+    # `staging_ring_units`: five blocks' landings, or none and a landing buffer per host unit again
+    for units, staging in ((5, lambda landings: 5 * block), (0, lambda landings: landings)):
+        pinned = fit_deep_gpt(tmp_path / f"ring{units}", accumulate=2, staging_ring_units=units)
+        for one, two in zip(single, pinned, strict=True):
+            assert two["held"]["host"] == two["planned_host"] == two["host_total"]
+            assert two["host_staging"] == staging(one["host_staging"])
 
 
 def test_overlap_takes_as_many_spare_sets_as_the_host_has_room_for(tmp_path, monkeypatch):

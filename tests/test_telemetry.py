@@ -60,6 +60,7 @@ def test_the_logged_breakdown_has_the_gaps_and_moves_the_gate_wait(clock):
     class Traffic:
         cpu_update_s, d2h_bytes, h2d_bytes = 0.3, 2e9, 1e9
         speculations_kept = speculations_redone = lent_units = lent_elements = 0
+        landing_wait_s = 0.25
 
     metrics = telemetry.step_metrics(times, Traffic(), grad_norm=1.0, skipped=False, loss_scale=1.0)
     assert metrics["zoff/between_s"] == pytest.approx(0.05)
@@ -67,3 +68,4 @@ def test_the_logged_breakdown_has_the_gaps_and_moves_the_gate_wait(clock):
     assert metrics["zoff/first_forward_s"] == pytest.approx(0.3)  # the wait is the first forward's
     assert metrics["zoff/exposed_optimizer_s"] == pytest.approx(0.1)
     assert metrics["zoff/backward_s"] == pytest.approx(1.0)
+    assert metrics["zoff/landing_wait_s"] == 0.25  # backward's waits for landing room, as the engine counted them

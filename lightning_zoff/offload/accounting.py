@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 _COUNTERS = ("d2h_bytes", "h2d_bytes", "cpu_update_s", "speculations_kept", "speculations_redone", "lent_units",
-             "lent_elements")
+             "lent_elements", "landing_wait_s")
 
 
 class Traffic:
@@ -16,6 +16,8 @@ class Traffic:
         self.cpu_update_s = 0.0  # update kernels, speculative ones included
         self.speculations_kept = self.speculations_redone = 0
         self.lent_units = self.lent_elements = 0  # host units whose update the accelerator ran (`lending.py`)
+        # backward's waits for room to land a shard: the staging ring full, or a unit's last shard not yet summed
+        self.landing_wait_s = 0.0
         self._lock = threading.Lock()  # the worker and the training thread both count
 
     def add(self, **amounts: float) -> None:

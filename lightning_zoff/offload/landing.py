@@ -4,6 +4,7 @@ window's sum, its sum of squares. The engine owns one `GradientLanding` (its doc
 from __future__ import annotations
 
 import functools
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -99,6 +100,7 @@ class GradientLanding:
             )
         if self.landed_order:  # FSDP2 made the last unit's gradients its `.grad`s by now: the engine has them
             self._drop_accelerator_grads(self.landed_order[-1])
+        waited_from = time.perf_counter()
         unit.staging_free.wait()  # the worker still reads the previous micro-batch's shard (rare: it keeps up)
         unit.staging_free.clear()
         window_ends = self.window_ends
@@ -112,6 +114,7 @@ class GradientLanding:
                 assert self.ring is not None
                 assert unit.staging_slot is None
                 unit.grad_staging, unit.staging_slot = self.ring.take(unit.layout.flat_numel, unit.param_dtype)
+            self.traffic.add(landing_wait_s=time.perf_counter() - waited_from)
             assert unit.grad_staging is not None
             unit.grad_staging.copy_(flat_grad, non_blocking=True)
             self.traffic.add(d2h_bytes=unit.grad_staging.nbytes)

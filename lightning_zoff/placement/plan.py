@@ -48,8 +48,10 @@ LEND_PIECE = 1 << 24
 LEND_SLOTS = 3  # pieces in flight: one going up, one updated, one coming back
 # reduced gradient shards whose copy out of FSDP2's buffer may be pending while backward goes on (`landing.py`)
 REDUCED_IN_FLIGHT = 2
-# units' landings or 16-bit copies the host's shared staging ring holds at once (`StateOptions.landing_ring`): one
-# being copied down while the worker adds the last into its sum, and one more, so backward rarely waits for the ring
+# units' landings or 16-bit copies the host's shared staging ring holds at once by default (`staging_ring_units`):
+# one being copied down while the worker adds the last into its sum, and one more. Backward waits for the ring where
+# the worker's sums fall further behind (`zoff/landing_wait_s` says how long); more units let the worker use the next
+# forward's time to catch up
 RING_UNITS = 3
 
 
@@ -78,13 +80,14 @@ class StateOptions:
     retain_device_sum: bool = False  # ... for the whole window, every unit's at once
     speculates: bool = True  # host units update during backward, into the host's spare sets
     update_share: str | float = "none"  # of the host's updates the accelerator runs: "auto", "none" or a fraction
+    ring_units: int = RING_UNITS  # the staging ring's room, in the largest host unit's landings; 0: no ring
 
     @property
     def landing_ring(self) -> bool:
         """Host units share one `StagingRing` instead of a landing buffer each: where windows sum on the host and the
         worker lands each shard while backward goes on (a shard then needs its landing room only until it is added
         into the window's sum, and the updated 16-bit parameters theirs only until they went up)."""
-        return self.sum_bytes > 0 and self.speculates and not self.sum_on_accelerator
+        return self.sum_bytes > 0 and self.speculates and not self.sum_on_accelerator and self.ring_units > 0
 
     @classmethod
     def of(cls, config: ZoffConfig, *, param_bytes: int, moments: int, sums_windows: bool) -> StateOptions:
@@ -94,7 +97,7 @@ class StateOptions:
                    sum_bytes=config.grad_sum_dtype.itemsize if sums_windows else 0,
                    sum_on_accelerator=config.grad_accum_on == "accelerator",
                    retain_device_sum=config.retain_gpu_grad_partition_until_step,
-                   speculates=config.host_worker,
+                   speculates=config.host_worker, ring_units=config.staging_ring_units,
                    # the share streams the host's state: only pinned memory copies without stopping the host's thread
                    update_share=config.accelerator_update_share if config.offload and config.pin_memory else "none")
 
@@ -137,14 +140,14 @@ def unit_buffers(shape: UnitShape, options: StateOptions, placement: Placement) 
 
 
 def ring_bytes(host_units: list[UnitShape], options: StateOptions) -> int:
-    """The shared `StagingRing` of the host units (`StateOptions.landing_ring`; 0 without): room for `RING_UNITS` of
+    """The shared `StagingRing` of the host units (`StateOptions.landing_ring`; 0 without): room for `ring_units` of
     the largest unit's landing or 16-bit copy, never more than the units' own buffers would take."""
     if not options.landing_ring or not host_units:
         return 0
     largest = max(max(options.param_bytes * s.reduced, options.out_bytes(s.trained)) for s in host_units)
     own = sum(options.param_bytes * s.reduced + (0 if s.same_layout else options.out_bytes(s.trained))
               for s in host_units)
-    return min(RING_UNITS * largest, own)
+    return min(options.ring_units * largest, own)
 
 
 def host_bytes_per_element(options: StateOptions) -> int:

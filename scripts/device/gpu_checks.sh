@@ -21,7 +21,7 @@ h100_cap() {  # bench.py's argument capping a GPU larger than an H100 at its 79.
 per_step() {  # FILE: each step's time and the telemetry that moves the exposed update, from a bench JSON's first run
   python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['runs'][0]; t=r.get('telemetry_steps') or {}
 print('steps', [round(x, 2) for x in r.get('steps', [])])
-for k in ('zoff/exposed_optimizer_s', 'zoff/first_forward_s', 'zoff/forward_s', 'zoff/cpu_update_s', 'zoff/lent_units', 'zoff/between_s'):
+for k in ('zoff/exposed_optimizer_s', 'zoff/first_forward_s', 'zoff/forward_s', 'zoff/cpu_update_s', 'zoff/lent_units', 'zoff/between_s', 'zoff/landing_wait_s'):
     print(k, [None if x is None else round(x, 3) for x in t.get(k, [])])" "$1"
 }
 megatrain_short() {  # NAME OPTION LIMIT_S: MegaTrain's configuration with one zoff option, 3 measured steps after 1,
@@ -270,19 +270,16 @@ for stage in "$@"; do
             t.get('zoff/between_s', 0)))" "$OUT/megatrain_recompute_$blocks.json" 2>&1 | tail -1 \
             | tee -a "$OUT/megatrain_recompute.txt"
       done ;;
-    megatrain_ring)  # issue 53: MegaTrain's configuration, zoff in another tree (carried as _baseline: be1d3d6, before
-      # the staging ring) and in this one, 3 measured steps after 1 each (55-110 s setup + ~70 s): recomputed blocks,
-      # the GPU's share of the state and TFLOP/s with the ring's 2 B/param of host back; carry .whl
-      [ -d _baseline/lightning_zoff ] || { echo "megatrain_ring: carry another source tree as _baseline"; exit 1; }
-      for side in _baseline .; do
-        label=$( [ $side = . ] && echo this || echo baseline )
-        (cd $side && PYTHONPATH=$DEPS$PWD timeout 285 python3 scripts/bench/bench.py --config megatrain_qwen25_7b \
-            --runs zoff --warmup 1 --steps 3 $(h100_cap) --run-timeout-s 280 --out "$OUT/megatrain_ring_$label.json" \
-            2>&1 | grep -E "^ +zoff " | sed "s/^/$label: /" | tee -a "$OUT/megatrain_ring.txt")
-        python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['runs'][0]; m=r.get('memory') or {}
-print(sys.argv[2], 'recomputed', r.get('recomputed_blocks'), 'gpu state GB', round(m.get('accelerator_optimizer_state', 0) / 1e9, 2),
-      'host staging GB', round(m.get('host_staging', 0) / 1e9, 2), 'TFLOP/s', r.get('model_tflops'))" \
-            "$OUT/megatrain_ring_$label.json" $label 2>&1 | tee -a "$OUT/megatrain_ring.txt"
+    megatrain_ring)  # issue 53: MegaTrain's configuration with the staging ring at $RING_UNITS units (default "0 3 12":
+      # none, a landing buffer per host unit as before be1d3d6; the default; more), 3 measured steps after 1 each
+      # (55-110 s setup + ~70 s): recomputed blocks, the GPU's share of the state, backward's wait for landing room
+      for units in ${RING_UNITS:-0 3 12}; do
+        megatrain_short megatrain_ring_$units "staging_ring_units=$units" 190 | tee -a "$OUT/megatrain_ring.txt"
+        python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['runs'][0]; m=r.get('memory') or {}; t=r.get('telemetry_median') or {}
+print('ring', sys.argv[2], 'recomputed', r.get('recomputed_blocks'), 'gpu state GB', round(m.get('accelerator_optimizer_state', 0) / 1e9, 2),
+      'host staging GB', round(m.get('host_staging', 0) / 1e9, 2), 'landing_wait_s', t.get('zoff/landing_wait_s'),
+      'bwd', r.get('backward_s'), 'TFLOP/s', r.get('model_tflops'), 'host copy GB/s', (r.get('host_floor') or {}).get('host_copy_gb_s'))" \
+            "$OUT/megatrain_ring_$units.json" $units 2>&1 | tail -1 | tee -a "$OUT/megatrain_ring.txt"
       done ;;
     megatrain_threads)  # does the host's update starve the training thread? MegaTrain's configuration with the update
       # kernels on $MEGATRAIN_THREADS threads (default "16 14": all the cores, then two left to the training thread
