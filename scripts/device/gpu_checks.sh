@@ -270,11 +270,14 @@ for stage in "$@"; do
             t.get('zoff/between_s', 0)))" "$OUT/megatrain_recompute_$blocks.json" 2>&1 | tail -1 \
             | tee -a "$OUT/megatrain_recompute.txt"
       done ;;
-    megatrain_ring)  # issue 53: MegaTrain's configuration with the staging ring at $RING_UNITS units (default "0 3 12":
-      # none, a landing buffer per host unit as before be1d3d6; the default; more), 3 measured steps after 1 each
-      # (55-110 s setup + ~70 s): recomputed blocks, the GPU's share of the state, backward's wait for landing room
-      for units in ${RING_UNITS:-0 3 12}; do
-        megatrain_short megatrain_ring_$units "staging_ring_units=$units" 190 | tee -a "$OUT/megatrain_ring.txt"
+    megatrain_ring)  # issue 53: MegaTrain's configuration with the staging ring at $RING_UNITS units (default "0 3":
+      # none, a landing buffer per host unit as before be1d3d6, then the default; RING_UNITS=12 in a second call), 3
+      # measured steps after 1 each (setup 64-114 s + ~75 s + exit: up to 200 s; each run gets at most 280 s of what is
+      # left of 585): recomputed blocks, the GPU's share of the state, backward's wait for landing room
+      for units in ${RING_UNITS:-0 3}; do
+        left=$(( 585 - SECONDS )); limit=$(( left < 280 ? left : 280 ))
+        if [ $limit -lt 150 ]; then echo "ring $units: skipped, $left s left" | tee -a "$OUT/megatrain_ring.txt"; continue; fi
+        megatrain_short megatrain_ring_$units "staging_ring_units=$units" $limit | tee -a "$OUT/megatrain_ring.txt"
         python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['runs'][0]; m=r.get('memory') or {}; t=r.get('telemetry_median') or {}
 print('ring', sys.argv[2], 'recomputed', r.get('recomputed_blocks'), 'gpu state GB', round(m.get('accelerator_optimizer_state', 0) / 1e9, 2),
       'host staging GB', round(m.get('host_staging', 0) / 1e9, 2), 'landing_wait_s', t.get('zoff/landing_wait_s'),
