@@ -114,10 +114,10 @@ class GradientLanding:
                 assert self.ring is not None
                 assert unit.staging_slot is None
                 unit.grad_staging, unit.staging_slot = self.ring.take(unit.layout.flat_numel, unit.param_dtype)
-            self.traffic.add(landing_wait_s=time.perf_counter() - waited_from)
+            waited = time.perf_counter() - waited_from
             assert unit.grad_staging is not None
             unit.grad_staging.copy_(flat_grad, non_blocking=True)
-            self.traffic.add(d2h_bytes=unit.grad_staging.nbytes)
+            self.traffic.add(d2h_bytes=unit.grad_staging.nbytes, landing_wait_s=waited)
         else:
             self._accumulate_on_accelerator(unit, flat_grad, window_ends)
         # the accelerator may reuse the shard's memory once this stream's copies are done, not before

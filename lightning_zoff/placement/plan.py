@@ -231,6 +231,11 @@ class MemoryPlan:
         return ring_bytes(self.units_on(Placement.HOST), self.options)
 
     @property
+    def ring_bound(self) -> int:
+        """The staging ring's size with every unit on the host: the most it grows to as units move there."""
+        return ring_bytes(list(self.shapes), self.options)
+
+    @property
     def host_bytes(self) -> int:
         return self.state_on(Placement.HOST) + self.spare_sets * self.spare_set_bytes() + self.ring_bytes
 

@@ -23,15 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from lightning_zoff.placement.machine import Machine, size
-from lightning_zoff.placement.plan import (
-    MemoryPlan,
-    Placement,
-    StateOptions,
-    StepMemory,
-    UnitShape,
-    ring_bytes,
-    unit_buffers,
-)
+from lightning_zoff.placement.plan import MemoryPlan, Placement, StateOptions, StepMemory, UnitShape, unit_buffers
 from lightning_zoff.placement.refusal import PlanDoesNotFit, refusal
 
 # -- at setup ------------------------------------------------------------------------------------------------------
@@ -72,9 +64,7 @@ def place(plan: MemoryPlan, accelerator_state: str | float) -> MemoryPlan:
     else:
         sizes = {s.name: sum(unit_buffers(s, plan.options, Placement.HOST).values()) for s in shapes}
         building = max((4 * s.trained for s in shapes), default=0)  # one unit's fp32 copy while its state is made
-        # the host units' staging ring, at most its size for all of them
-        on_accelerator = fewest_for_host(shapes, sizes, plan.machine.host_capacity - building
-                                         - ring_bytes(list(shapes), plan.options))
+        on_accelerator = fewest_for_host(shapes, sizes, plan.machine.host_capacity - building - plan.ring_bound)
     return plan.moved(on_accelerator, Placement.ACCELERATOR)
 
 
@@ -167,7 +157,7 @@ def more_for_accelerator(plan: MemoryPlan, peak: int) -> list[str]:
 def host_room_for_units(plan: MemoryPlan) -> int:
     """What the host has room for beside its units: the spare sets make way, the staging ring may grow to its size
     for every unit."""
-    return plan.machine.host_capacity - plan.state_on(Placement.HOST) - ring_bytes(list(plan.shapes), plan.options)
+    return plan.machine.host_capacity - plan.state_on(Placement.HOST) - plan.ring_bound
 
 
 def fewer_for_accelerator(plan: MemoryPlan, peak: int) -> list[str]:
