@@ -30,6 +30,15 @@ megatrain_short() {  # NAME OPTION LIMIT_S: MegaTrain's configuration with one z
       --zoff-option "$2" --run-timeout-s $(( $3 - 5 )) --out "$OUT/$1.json" 2>&1 | grep -v "^INFO" \
       | grep -E "^ +zoff " | sed "s/^/$2: /"
 }
+gpt13b_side() {  # SIDE NAME LIMIT_S BENCH_ARGS...: the 13B GPT at batch 4 in SIDE's tree (_baseline or .) into $OUT/NAME.json,
+  # within LIMIT_S and what is left of $SPEED_BUDGET (default 585 s) since the script began; printed after NAME
+  local side=$1 name=$2 limit=$3; shift 3
+  local left=$(( ${SPEED_BUDGET:-585} - SECONDS )); [ $left -lt $limit ] && limit=$left
+  [ $limit -lt 100 ] && { echo "$name: not run, $left s left" | tee -a "$OUT/speed_47.txt"; return; }
+  (cd $side && PYTHONPATH=$DEPS$PWD timeout $limit python3 scripts/bench/bench.py --model gpt13b --batch 4 --warmup 2 \
+      --runs zoff --run-timeout-s $(( limit - 5 )) "$@" --out "$OUT/$name.json" 2>&1 | grep -v "^INFO" | tail -2 \
+      | sed "s/^/$name: /" | tee -a "$OUT/speed_47.txt")
+}
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
@@ -160,6 +169,20 @@ for stage in "$@"; do
       timeout 190 $b --accumulate 4 --steps 10 --run-timeout-s 180 --out "$OUT/gpt13b_b4_zoff_acc4.json" 2>&1 | grep -v "^INFO" | tail -2 | tee -a "$OUT/speed_first.txt"
       left=$(( ${SPEED_BUDGET:-580} - SECONDS ))
       [ $left -gt 120 ] && timeout $left $b --accumulate 1 --steps 10 --layers 64 --run-timeout-s $((left - 5)) --zoff-option "optimizer_state_dtype='bf16'" --out "$OUT/gpt_64l_b4_zoff_bf16_moments.json" 2>&1 | grep -v "^INFO" | tail -2 | tee -a "$OUT/speed_first.txt" ;;
+    speed_47a)  # issue 47 on 1x H200, beside the tree it was filed at (carry 8ffd96f as _baseline): the 13B GPT clipped
+      # every step, 20 measured steps in each tree, then bf16 moments in this one
+      [ -d _baseline/lightning_zoff ] || { echo "speed_47a: carry another source tree as _baseline"; exit 1; }
+      gpt13b_side _baseline gpt13b_b4_fp32_baseline 195 --accumulate 1 --steps 20
+      gpt13b_side . gpt13b_b4_fp32_this 195 --accumulate 1 --steps 20
+      gpt13b_side . gpt13b_b4_bf16_moments_this 180 --accumulate 1 --steps 10 --zoff-option "optimizer_state_dtype='bf16'" ;;
+    speed_47b)  # issue 47: unclipped (the clip-rare step) in this tree, then 4 accumulated micro-batches in both
+      [ -d _baseline/lightning_zoff ] || { echo "speed_47b: carry another source tree as _baseline"; exit 1; }
+      gpt13b_side . gpt13b_b4_unclipped_this 170 --accumulate 1 --steps 10 --clip none
+      gpt13b_side _baseline gpt13b_b4_acc4_baseline 200 --accumulate 4 --steps 8
+      gpt13b_side . gpt13b_b4_acc4_this 200 --accumulate 4 --steps 8 ;;
+    speed_47c)  # issue 47: the largest sizes of 2026-12-02 in this tree, 10 measured steps: 47 layers fp32, 64 bf16 moments
+      gpt13b_side . gpt_47l_b4_fp32_this 230 --accumulate 1 --steps 10 --layers 47
+      gpt13b_side . gpt_64l_b4_bf16_moments_this 340 --accumulate 1 --steps 10 --layers 64 --zoff-option "optimizer_state_dtype='bf16'" ;;
     gpt13b_variants)  # the 13B GPT with bf16 moments, and without clipping (speculation can be kept)
       b="python3 scripts/bench/bench.py --model gpt13b --batch 4 --accumulate 1 --warmup 2 --steps 10 --runs zoff --run-timeout-s 250"
       timeout 270 $b --zoff-option "optimizer_state_dtype='bf16'" --out "$OUT/gpt13b_b4_zoff_bf16_moments.json" 2>&1 | grep -v "^INFO" | tail -3 | tee "$OUT/gpt13b_variants.txt"
