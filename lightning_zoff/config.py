@@ -62,10 +62,11 @@ class ZoffConfig:
               " backward; false: keeps them until its backward (no all-gather in backward: less of the host's time"
               " and of the accelerator's copying a step, the whole model's 16-bit parameters more on the accelerator"
               " at the step's peak, in the plan)")
-    staging_ring_units: int = option(
-        3, "with `overlap` and windows of several micro-batches summed on the host: the host units' shared pinned"
-           " ring their gradient shards land in, in units of the largest one's landing (more: backward runs further"
-           " ahead of the host's sums, for host memory the state would use); 0: a landing buffer per host unit")
+    staging_ring_units: int | Literal["auto"] = option(
+        "auto", "with `overlap` and windows of several micro-batches summed on the host: the host units' shared pinned"
+                " ring their gradient shards land in, in units of the largest one's landing (backward waits where the"
+                " host's sums fall that far behind); 0: a landing buffer per host unit; \"auto\": a buffer per unit"
+                " where the plan fits with them, else a ring of 3")
     start_method: StartMethod = option(
         "subprocess", "how ranks start: Lightning's script re-run, or `\"fork\"`/`\"spawn\"`/`\"forkserver\"`"
                       " multiprocessing (fork is the fast choice on CPU)")
@@ -130,9 +131,9 @@ class ZoffConfig:
             raise TypeError(f"ZoffStrategy(loader_workers={workers!r}): expected 0 or more DataLoader workers per"
                             " rank, or None to read them from the DataLoader.")
         ring = self.staging_ring_units
-        if isinstance(ring, bool) or not isinstance(ring, int) or ring < 0:
-            raise TypeError(f"ZoffStrategy(staging_ring_units={ring!r}): expected 0 (a landing buffer per host unit)"
-                            " or a positive number of the largest host unit's landings.")
+        if ring != "auto" and (isinstance(ring, bool) or not isinstance(ring, int) or ring < 0):
+            raise TypeError(f"ZoffStrategy(staging_ring_units={ring!r}): expected \"auto\", 0 (a landing buffer per"
+                            " host unit) or a positive number of the largest host unit's landings.")
         floor = self.host_memory_floor
         if floor is not None and (isinstance(floor, bool) or not isinstance(floor, (int, float)) or floor < 0):
             raise TypeError(f"ZoffStrategy(host_memory_floor={floor!r}): expected GB of host memory (0 or more), or"

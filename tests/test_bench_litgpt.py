@@ -53,3 +53,17 @@ def test_litgpts_finetune_scripts_under_zoff_and_litgpts_choice(tmp_path, script
             assert changed == set(base)
         else:
             assert changed == {name for name in base if name.endswith("attn.qkv.weight")}
+
+
+@pytest.mark.slow
+def test_a_failed_run_keeps_its_output_before_the_error_line(tmp_path):
+    """A run that stops records its one line and the output above it: a CUDA error's cause is lines above its last."""
+    out = tmp_path / "litgpt.json"
+    bench_script().main(["--model", "pythia-14m", "--seq", "64", "--iters", "2", "--strategies", "zoff",
+                         "--precision", "no-such-precision", "--work", str(tmp_path / "work"), "--out", str(out),
+                         "--run-timeout-s", "240"])
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["outcome"] == "error"
+    assert "no-such-precision" in run["error"]
+    assert "Traceback" in run["stderr_tail"]
+    assert run["error"] in run["stderr_tail"]

@@ -15,6 +15,7 @@ from helpers.tiny import SEQ, VOCAB, token_loader
 from helpers.tiny_module import TinyModule
 from lightning_zoff import ZoffPrecision, ZoffStrategy
 from lightning_zoff.examples.gpt import GPTModule
+from lightning_zoff.placement.plan import RING_UNITS
 
 pytestmark = pytest.mark.slow  # a test trains several times on 2 ranks, over a second each
 
@@ -163,24 +164,40 @@ def fit_deep_gpt(out: Path, accumulate: int = 1, **options) -> list[dict]:
 
 
 def test_windows_summed_on_the_host_land_in_one_staging_ring(tmp_path):
-    """With windows of two micro-batches the host units keep an fp32 sum each and no landing buffer of their own: one
-    ring of three of the largest unit's landings (a block's) serves them, and the engine holds
-    what the plan says."""
-    single, summed = fit_deep_gpt(tmp_path / "single"), fit_deep_gpt(tmp_path / "summed", accumulate=2)
-    for one, two in zip(single, summed, strict=True):
-        assert two["held"]["host"] == two["planned_host"] == two["host_total"]
-        landings = one["host_staging"]  # every unit's own 16-bit landing, with accumulate 1
-        # a block's: LayerNorms 2 x 32, qkv 96 x 32, proj 32 x 32, fc 128 x 32, proj 32 x 128 elements, this rank's
-        # half of them in 16 bits
-        block = 2 * (2 * 32 + 96 * 32 + 32 * 32 + 128 * 32 + 32 * 128) // 2
-        assert two["host_staging"] == 3 * block < landings
-        assert two["host_grad_sum"] == 2 * landings  # fp32 sums of the same elements
-    # `staging_ring_units`: five blocks' landings, or none and a landing buffer per host unit again
-    for units, staging in ((5, lambda landings: 5 * block), (0, lambda landings: landings)):
-        pinned = fit_deep_gpt(tmp_path / f"ring{units}", accumulate=2, staging_ring_units=units)
-        for one, two in zip(single, pinned, strict=True):
+    """With windows of two micro-batches and `staging_ring_units` set the host units keep an fp32 sum each and no
+    landing buffer of their own: one ring of that many of the largest unit's landings (a block's) serves them, and the
+    engine holds what the plan says; 0, a landing buffer per host unit again."""
+    single = fit_deep_gpt(tmp_path / "single")
+    # a block's: LayerNorms 2 x 32, qkv 96 x 32, proj 32 x 32, fc 128 x 32, proj 32 x 128 elements, this rank's half of
+    # them in 16 bits
+    block = 2 * (2 * 32 + 96 * 32 + 32 * 32 + 128 * 32 + 32 * 128) // 2
+    for units in (3, 5, 0):
+        summed = fit_deep_gpt(tmp_path / f"ring{units}", accumulate=2, staging_ring_units=units)
+        for one, two in zip(single, summed, strict=True):
             assert two["held"]["host"] == two["planned_host"] == two["host_total"]
-            assert two["host_staging"] == staging(one["host_staging"])
+            landings = one["host_staging"]  # every unit's own 16-bit landing, with accumulate 1
+            assert two["host_staging"] == (units * block if units else landings)
+            assert units * block < landings
+            assert two["host_grad_sum"] == 2 * landings  # fp32 sums of the same elements
+
+
+def test_the_staging_ring_by_default_only_where_a_landing_buffer_per_unit_does_not_fit(tmp_path, monkeypatch):
+    """`staging_ring_units="auto"`: a landing buffer per host unit where the plan fits with them (backward never
+    waits for landing room), else the ring of RING_UNITS, where it lets the plan fit."""
+    apart = fit_deep_gpt(tmp_path / "apart", accumulate=2, staging_ring_units=0)
+    ringed = fit_deep_gpt(tmp_path / "ringed", accumulate=2, staging_ring_units=RING_UNITS)
+    roomy = fit_deep_gpt(tmp_path / "roomy", accumulate=2)
+    for memory, own in zip(roomy, apart, strict=True):
+        assert memory["host_staging"] == own["host_staging"]
+        assert memory["held"]["host"] == memory["planned_host"] == memory["host_total"]
+    # a host that holds the state with the ring and no spare set, but not with a landing buffer per unit
+    without_spares = [m["host_total"] - m["host_spare_state"] for m in (apart[0], ringed[0])]
+    assert without_spares[1] < without_spares[0]
+    monkeypatch.setenv("ZOFF_HOST_MEMORY_BYTES", str(2 * (2**28 + sum(without_spares) // 2)))
+    tight = fit_deep_gpt(tmp_path / "tight", accumulate=2)
+    for memory, ring in zip(tight, ringed, strict=True):
+        assert memory["host_staging"] == ring["host_staging"]
+        assert memory["held"]["host"] == memory["planned_host"] == memory["host_total"]
 
 
 def test_overlap_takes_as_many_spare_sets_as_the_host_has_room_for(tmp_path, monkeypatch):

@@ -4,10 +4,12 @@ the strategy. Functions of a strategy's state; both front doors call them from t
 from __future__ import annotations
 
 import logging
+import os
 from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
@@ -45,6 +47,9 @@ def start_rank(environment: ClusterEnvironment, backend: str, timeout: timedelta
     """Join the process group, set up the node's messages, and give the rank its share of the CPU cores; its CPU
     layout."""
     reset_seed()
+    nccl = device.type == "cuda" and "nccl" in backend
+    if nccl:  # NCCL reads it when its communicator is made: every peer's buffers then, none later
+        os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")
     init_dist_connection(environment, backend, timeout=timeout)
     speak_for_node(local_rank)
     report_once_per_node(local_rank)  # after init: torch's hook, which it wraps, prefixes the rank
@@ -55,7 +60,18 @@ def start_rank(environment: ClusterEnvironment, backend: str, timeout: timedelta
         fix_mmap_threshold()  # FSDP2's buffers are host memory here: keep them from piling up in the heap
     elif device.type == "cuda":
         expandable_cuda_segments()  # "auto" places state by the memory the allocator reserved: no fragments
+        if nccl:
+            make_nccl_communicator(device)
     return layout
+
+
+def make_nccl_communicator(device: torch.device) -> None:
+    """NCCL's communicator and its buffers, made now rather than at the first collective on a CUDA tensor: the plan
+    reads the GPU's free memory next and lets the allocator fill it, and NCCL allocating there later, outside the
+    allocator, fails as "unhandled cuda error" (LitGPT's full.py on Llama-3-8B, 1x H100, 2026-12-07: the suspected
+    cause, unconfirmed)."""
+    dist.all_reduce(torch.zeros(1, device=device))
+    torch.cuda.synchronize(device)
 
 
 def reduce(tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:

@@ -135,7 +135,7 @@ class OffloadEngine:
                 device=self.state_device if where is Placement.HOST else self.param_device, moments=moments,
                 moment_dtype=config.moment_dtype, sums_windows=self.sums_windows, grad_sum_dtype=config.grad_sum_dtype,
                 pin=config.pin_memory and where is Placement.HOST,
-                pin_state=pin_state and where is Placement.HOST, landing_ring=options.landing_ring)
+                pin_state=pin_state and where is Placement.HOST, landing_ring=plan.options.landing_ring)
         self.units = [built[layout.name] for layout, _ in layouts]
         self._modules = [module for _, module in layouts]
         on_cuda = self.param_device.type == "cuda"

@@ -48,10 +48,12 @@ LEND_PIECE = 1 << 24
 LEND_SLOTS = 3  # pieces in flight: one going up, one updated, one coming back
 # reduced gradient shards whose copy out of FSDP2's buffer may be pending while backward goes on (`landing.py`)
 REDUCED_IN_FLIGHT = 2
-# units' landings or 16-bit copies the host's shared staging ring holds at once by default (`staging_ring_units`):
-# one being copied down while the worker adds the last into its sum, and one more. Backward waits for the ring where
-# the worker's sums fall further behind (`zoff/landing_wait_s` says how long); more units let the worker use the next
-# forward's time to catch up
+# units' landings or 16-bit copies the host's shared staging ring holds at once where "auto" needs one to fit
+# (`staging_ring_units`): one being copied down while the worker adds the last into its sum, and one more. Backward
+# waits for the ring where the worker's sums fall further behind (`zoff/landing_wait_s` says how long); more units let
+# the worker use the next forward's time to catch up. Not by default where the plan fits without: at MegaTrain's
+# Qwen2.5-7B configuration on 1x H100 a ring of 3 made backward wait 3.6 s a step and the step 0.47 s slower than a
+# landing buffer per unit, though it freed 8 GB of host for units and spared 4 blocks' recompute (2026-12-07)
 RING_UNITS = 3
 
 
@@ -81,6 +83,7 @@ class StateOptions:
     speculates: bool = True  # host units update during backward, into the host's spare sets
     update_share: str | float = "none"  # of the host's updates the accelerator runs: "auto", "none" or a fraction
     ring_units: int = RING_UNITS  # the staging ring's room, in the largest host unit's landings; 0: no ring
+    ring_only_to_fit: bool = False  # "auto": no ring unless the plan fits only with one of RING_UNITS (`plan_memory`)
 
     @property
     def landing_ring(self) -> bool:
@@ -93,11 +96,13 @@ class StateOptions:
     def of(cls, config: ZoffConfig, *, param_bytes: int, moments: int, sums_windows: bool) -> StateOptions:
         """The options as zoff's configuration sets them, for a model of `param_bytes` and an optimizer of `moments`
         moments; `sums_windows`: some window has several micro-batches."""
+        ring = config.staging_ring_units
         return cls(param_bytes=param_bytes, moment_bytes=config.moment_dtype.itemsize, moments=moments,
                    sum_bytes=config.grad_sum_dtype.itemsize if sums_windows else 0,
                    sum_on_accelerator=config.grad_accum_on == "accelerator",
                    retain_device_sum=config.retain_gpu_grad_partition_until_step,
-                   speculates=config.host_worker, ring_units=config.staging_ring_units,
+                   speculates=config.host_worker, ring_units=ring if isinstance(ring, int) else 0,
+                   ring_only_to_fit=ring == "auto",
                    # the share streams the host's state: only pinned memory copies without stopping the host's thread
                    update_share=config.accelerator_update_share if config.offload and config.pin_memory else "none")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +23,7 @@ from lightning_zoff.launch.node_log import log_for_node
 from lightning_zoff.placement.fsdp_buffers import UnitBuffers
 from lightning_zoff.placement.machine import Machine, measure_machine, size
 from lightning_zoff.placement.plan import (
+    RING_UNITS,
     MemoryPlan,
     Placement,
     StateOptions,
@@ -30,7 +32,7 @@ from lightning_zoff.placement.plan import (
     accelerator_bytes_per_element,
 )
 from lightning_zoff.placement.policy import accelerator_holds_all, back_for_room, plan_memory
-from lightning_zoff.placement.recompute_choice import fewer_for_all_state, fewest_that_fit
+from lightning_zoff.placement.recompute_choice import fewer_for_all_state, fewest_that_fit, switch_first
 from lightning_zoff.placement.refusal import PlanDoesNotFit
 from lightning_zoff.placement.step_costs import BlockTrade, HostRate, Rates, block_trade, measure_rates
 from lightning_zoff.placement.step_trace import StepProbe, measure_step
@@ -84,18 +86,41 @@ class RankMemory:
                                   sums_windows=accumulate_grad_batches > 1)
         buffers = UnitBuffers.of(module, units, param_bytes, forward, self.group.world_size,
                                  kept=not config.reshard_after_forward)
-        gathered = buffers.most
         traced = probe if machine.accelerator_capacity is not None else None  # a CPU holds any step
 
-        def plan_with(step: StepMemory | None) -> MemoryPlan:
-            return plan_memory(shapes, options, machine, config.accelerator_state, model_bytes=model_bytes,
-                               masters_bytes=model_bytes * 4 // param_bytes, step=step)
+        def trace() -> StepMemory | None:
+            return measure_step(module, traced, self.group.device, param_dtype, buffers.most, buffers)
 
-        step = self.step = measure_step(module, traced, self.group.device, param_dtype, gathered, buffers)
+        def plan_with(chosen: StateOptions) -> Callable[[StepMemory | None], MemoryPlan]:
+            return lambda step: plan_memory(shapes, chosen, machine, config.accelerator_state, model_bytes=model_bytes,
+                                            masters_bytes=model_bytes * 4 // param_bytes, step=step)
+
         if config.activation_checkpointing_policy != "auto" or not recomputable:
-            plan_with(step)  # refuses what does not fit
-            self._say_step(step)
+            self.step = trace()
+            plan_with(options)(self.step)  # refuses what does not fit (with the staging ring where only it fits)
+            self._say_step(self.step)
             return
+        if not options.ring_only_to_fit:
+            self._choose_recompute(recomputable, trace, plan_with(options), accumulate_grad_batches, options)
+            return
+        # the blocks weighed without the staging ring, whose waits cost more than recompute spares (`RING_UNITS`);
+        # with it only where no choice fits without
+        without = replace(options, ring_only_to_fit=False)
+        try:
+            self._choose_recompute(recomputable, trace, plan_with(without), accumulate_grad_batches, without)
+        except PlanDoesNotFit:
+            switch_first(recomputable, 0)
+            ringed = replace(options, ring_units=RING_UNITS, ring_only_to_fit=False)
+            self._choose_recompute(recomputable, trace, plan_with(ringed), accumulate_grad_batches, ringed)
+
+    def _choose_recompute(self, recomputable: Sequence[nn.Module], trace: Callable[[], StepMemory | None],
+                          plan_with: Callable[[StepMemory | None], MemoryPlan], accumulate_grad_batches: int,
+                          options: StateOptions) -> None:
+        """"auto" recompute (see `check_before_sharding`) with `plan_with`'s plans: switches the chosen blocks on and
+        sets `self.step`, or raises `PlanDoesNotFit` where even all of them leave no plan that fits."""
+        machine = self.machine
+        assert machine is not None
+        step = self.step = trace()
         try:
             kept_fits, recompute = True, not accelerator_holds_all(plan_with(step))
         except PlanDoesNotFit:
@@ -106,15 +131,12 @@ class RankMemory:
             self._say_step(step)
             return
         names = ", ".join(recompute_activations(recomputable))
-        recomputed = self.step = measure_step(module, traced, self.group.device, param_dtype, gathered, buffers)
+        recomputed = self.step = trace()
         plan = plan_with(recomputed)  # refuses a step that does not fit even so
         if step is None or recomputed is None:
             self._say(f"recomputing {names} activations ('auto'): state {self._all_state(plan) / 1e9:.1f} GB + model"
                       f" {plan.model_bytes / 1e9:.1f} GB > GPU {(machine.accelerator_capacity or 0) / 1e9:.1f} GB")
             return
-
-        def trace() -> StepMemory | None:
-            return measure_step(module, traced, self.group.device, param_dtype, gathered, buffers)
 
         fewer = fewer_for_all_state(recomputable, step, recomputed, trace, plan_with)
         most = len(recomputable) if fewer is None else fewer[0]

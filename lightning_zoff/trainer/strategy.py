@@ -68,7 +68,7 @@ class ZoffStrategy(FrontDoor, ParallelStrategy):
         activation_checkpointing_policy: set[type[nn.Module]] | list[type[nn.Module]] | Literal["auto"] | int | None
         = "auto",
         reshard_after_forward: bool = True,
-        staging_ring_units: int = 3,
+        staging_ring_units: int | Literal["auto"] = "auto",
         start_method: StartMethod = "subprocess",
         weights_to_main_process: bool = False,
         pin_memory: bool = True,

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from zoffbench.harness import outcome_of, report, run_function, zoff_lines
+from zoffbench.harness import RunFailure, outcome_of, report, run_function, zoff_lines
 from zoffbench.results import write_result
 
 STRATEGIES = ("zoff", "litgpt", "fsdp")
@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             entry.update(outcome="time", s_per_iter=s_per_iter, tokens_per_s=args.devices * args.seq / s_per_iter,
                          **result)
         else:
-            error = run.failure()
-            entry.update(outcome=outcome_of(error), error=error)
+            error = run.failure()  # its one line, and the output before it (a CUDA error's cause is lines above)
+            entry.update(RunFailure(error, outcome_of(error), run.stderr[-4000:] or run.stdout[-4000:]).fields())
         entries.append(entry)
         print(f"{strategy:>8}: {entry['outcome']}"
               + (f", {entry['s_per_iter']:.3f} s/iter, peak GPU {entry['peak_gpu_gb']:.1f} GB" if "s_per_iter" in entry

@@ -233,6 +233,12 @@ for stage in "$@"; do
       rm -rf /tmp/litgpt_bench
       left=$(( ${LITGPT_BUDGET:-580} - SECONDS ))
       [ $left -gt 120 ] && timeout $left $b --model Llama-3-8B --run-timeout-s $(( (left - 60) / 2 )) --out "$OUT/litgpt_full_llama3_8b.json" 2>&1 | grep -v "^INFO" | grep -E "^ *(zoff|litgpt|fsdp):|wrote" | tee -a "$OUT/litgpt_scripts.txt" ;;
+    litgpt_full_8b)  # issue 48: LitGPT's finetune/full.py on Llama-3-8B under zoff alone (it stopped with "unhandled cuda
+      # error" at 829ed85; ran at e3a6f47), NCCL's own warnings on, each failed run's output kept in the JSON. Needs .whl
+      rm -rf /tmp/litgpt_bench
+      NCCL_DEBUG=WARN timeout 560 python3 scripts/bench/bench_litgpt_scripts.py --seq 2048 --iters 20 --work /tmp/litgpt_bench \
+          --model Llama-3-8B --strategies zoff --run-timeout-s 400 --out "$OUT/litgpt_full_llama3_8b_zoff.json" 2>&1 \
+          | grep -v "^INFO" | grep -E "^ *zoff:|wrote" | tee "$OUT/litgpt_full_8b.txt" ;;
     litgpt_lora)  # issue 48: LitGPT's own finetune/lora.py on Llama-3-8B's config (random weights, a local instruction
       # set), bf16-mixed, seq 2048, 20 iterations, under zoff and LitGPT's own choice; needs .whl with litgpt
       rm -rf /tmp/litgpt_bench
