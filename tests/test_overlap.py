@@ -181,7 +181,7 @@ def test_windows_summed_on_the_host_land_in_one_staging_ring(tmp_path):
             assert two["host_grad_sum"] == 2 * landings  # fp32 sums of the same elements
 
 
-def test_the_staging_ring_by_default_only_where_a_landing_buffer_per_unit_does_not_fit(tmp_path, monkeypatch):
+def test_the_staging_ring_by_default_only_where_a_landing_buffer_per_unit_does_not_fit(tmp_path, monkeypatch, said):
     """`staging_ring_units="auto"`: a landing buffer per host unit where the plan fits with them (backward never
     waits for landing room), else the ring of RING_UNITS, where it lets the plan fit."""
     apart = fit_deep_gpt(tmp_path / "apart", accumulate=2, staging_ring_units=0)
@@ -190,6 +190,10 @@ def test_the_staging_ring_by_default_only_where_a_landing_buffer_per_unit_does_n
     for memory, own in zip(roomy, apart, strict=True):
         assert memory["host_staging"] == own["host_staging"]
         assert memory["held"]["host"] == memory["planned_host"] == memory["host_total"]
+    ring_lines = [line.split(";")[0] for line in said.lines if "staging ring" in line]
+    named = (f"host: gradient shards land in a staging ring of {RING_UNITS} units' landings"
+             f" ({ringed[0]['host_staging'] / 1e6:.1f} MB: `staging_ring_units`)")
+    assert ring_lines == [named]  # the run that named it; "auto" took none on this host
     # a host that holds the state with the ring and no spare set, but not with a landing buffer per unit
     without_spares = [m["host_total"] - m["host_spare_state"] for m in (apart[0], ringed[0])]
     assert without_spares[1] < without_spares[0]
@@ -198,6 +202,7 @@ def test_the_staging_ring_by_default_only_where_a_landing_buffer_per_unit_does_n
     for memory, ring in zip(tight, ringed, strict=True):
         assert memory["host_staging"] == ring["host_staging"]
         assert memory["held"]["host"] == memory["planned_host"] == memory["host_total"]
+    assert "a landing buffer per unit does not fit" in [line for line in said.lines if "staging ring" in line][-1]
 
 
 def test_overlap_takes_as_many_spare_sets_as_the_host_has_room_for(tmp_path, monkeypatch):

@@ -372,6 +372,7 @@ class MemoryPlan:
             + self.ring_bytes,
             "host_spare_state": self.spare_sets * self.spare_set_bytes(),
             "spare_sets": self.spare_sets,
+            "staging_ring_units": self.options.ring_units if self.options.landing_ring else 0,
             "host_total": self.host_bytes,
             "host_capacity": self.machine.host_capacity,
             "host_kept": self.machine.host_kept,

@@ -217,6 +217,13 @@ class RankMemory:
         self._say(f"host {size(r['host_total'])} of {size(r['host_capacity'])} planned"
                   f" ({r['host_bytes_per_trained_param']:.1f} B/param), {int(r['spare_sets'])} spare set(s),"
                   f" {engine.threads} CPU thread(s)")
+        ring = int(r["staging_ring_units"])
+        if ring:
+            why = ("a landing buffer per unit does not fit" if config.staging_ring_units == "auto"
+                   else "`staging_ring_units`")
+            self._say(f"host: gradient shards land in a staging ring of {ring} units' landings"
+                      f" ({size(r['host_staging'])}: {why}); backward waits where the host's sums fall that far behind"
+                      " (zoff/landing_wait_s)")
         workers = int(r["loader_workers"])
         self._say(f"host: {size(r['host_kept'])} kept for {workers} loader worker{'' if workers == 1 else 's'} and the"
                   f" OS; the run stops itself under {size(self._floor)} available")
@@ -349,9 +356,10 @@ def held_peak(device: torch.device) -> int:
 
 def describe_memory(report: dict[str, float]) -> str:
     """The memory report in one line: sizes in MiB, ratios in bytes per parameter element, counts as they are."""
+    counts = ("local_params", "trained_params", "spare_sets", "staging_ring_units", "host_units", "accelerator_units")
     parts = []
     for key, value in report.items():
-        if key in ("local_params", "trained_params", "spare_sets", "host_units", "accelerator_units"):
+        if key in counts:
             parts.append(f"{key}={int(value):,}")
         elif "_per_" in key:
             parts.append(f"{key}={value / 1:.2f}")
