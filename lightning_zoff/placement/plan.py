@@ -106,6 +106,10 @@ class StateOptions:
                    # the share streams the host's state: only pinned memory copies without stopping the host's thread
                    update_share=config.accelerator_update_share if config.offload and config.pin_memory else "none")
 
+    def with_ring(self) -> StateOptions:
+        """"auto"'s other choice, where a landing buffer per host unit does not fit: the ring of `RING_UNITS`."""
+        return replace(self, ring_units=RING_UNITS, ring_only_to_fit=False)
+
     def state_bytes(self, trained: int) -> int:
         return trained * (4 + self.moments * self.moment_bytes)
 

@@ -23,15 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from lightning_zoff.placement.machine import Machine, size
-from lightning_zoff.placement.plan import (
-    RING_UNITS,
-    MemoryPlan,
-    Placement,
-    StateOptions,
-    StepMemory,
-    UnitShape,
-    unit_buffers,
-)
+from lightning_zoff.placement.plan import MemoryPlan, Placement, StateOptions, StepMemory, UnitShape, unit_buffers
 from lightning_zoff.placement.refusal import PlanDoesNotFit, refusal
 
 # -- at setup ------------------------------------------------------------------------------------------------------
@@ -50,9 +42,8 @@ def plan_memory(shapes: Sequence[UnitShape], options: StateOptions, machine: Mac
     base = MemoryPlan(tuple(shapes), options, {}, machine, model_bytes, lion, step=step)
     plan = place(base, "all" if all_on_accelerator else accelerator_state)
     problems = plan.problems(masters_bytes)
-    ringed = replace(options, ring_units=RING_UNITS, ring_only_to_fit=False)
-    if problems and options.ring_only_to_fit and ringed.landing_ring:  # a landing buffer per host unit does not fit
-        return plan_memory(shapes, ringed, machine, accelerator_state, model_bytes=model_bytes, lion=lion,
+    if problems and options.ring_only_to_fit and options.with_ring().landing_ring:  # no buffer per host unit: the ring
+        return plan_memory(shapes, options.with_ring(), machine, accelerator_state, model_bytes=model_bytes, lion=lion,
                            masters_bytes=masters_bytes, all_on_accelerator=all_on_accelerator, step=step)
     if problems:
         fits = options_that_fit(plan, accelerator_state, masters_bytes)

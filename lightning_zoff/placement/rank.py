@@ -23,7 +23,6 @@ from lightning_zoff.launch.node_log import log_for_node
 from lightning_zoff.placement.fsdp_buffers import UnitBuffers
 from lightning_zoff.placement.machine import Machine, measure_machine, size
 from lightning_zoff.placement.plan import (
-    RING_UNITS,
     MemoryPlan,
     Placement,
     StateOptions,
@@ -100,17 +99,16 @@ class RankMemory:
             plan_with(options)(self.step)  # refuses what does not fit (with the staging ring where only it fits)
             self._say_step(self.step)
             return
-        if not options.ring_only_to_fit:
-            self._choose_recompute(recomputable, trace, plan_with(options), accumulate_grad_batches, options)
-            return
-        # the blocks weighed without the staging ring, whose waits cost more than recompute spares (`RING_UNITS`);
+        # "auto"'s blocks weighed without the staging ring, whose waits cost more than recompute spares (`RING_UNITS`);
         # with it only where no choice fits without
-        without = replace(options, ring_only_to_fit=False)
+        first = replace(options, ring_only_to_fit=False)
         try:
-            self._choose_recompute(recomputable, trace, plan_with(without), accumulate_grad_batches, without)
+            self._choose_recompute(recomputable, trace, plan_with(first), accumulate_grad_batches, first)
         except PlanDoesNotFit:
+            if not options.ring_only_to_fit:
+                raise
             switch_first(recomputable, 0)
-            ringed = replace(options, ring_units=RING_UNITS, ring_only_to_fit=False)
+            ringed = options.with_ring()
             self._choose_recompute(recomputable, trace, plan_with(ringed), accumulate_grad_batches, ringed)
 
     def _choose_recompute(self, recomputable: Sequence[nn.Module], trace: Callable[[], StepMemory | None],
