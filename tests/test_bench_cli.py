@@ -17,6 +17,7 @@ import torch
 from zoffbench import bench, deepspeed_runs, harness, model_shapes, plot, results, runs
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+REPO = SCRIPTS.parent
 
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -387,6 +388,23 @@ def test_clipped_fraction_counts_as_zoff_clips():
     assert harness.clipped_fraction([0.5, 2.0], None) is None  # no clipping asked
     assert harness.clipped_fraction([], 1.0) is None  # no zoff telemetry (DeepSpeed, GPU-only)
 
+
+
+def test_measured_steps_after_a_placement_pause_are_named():
+    # MegaTrain's configuration on 1x H100 (session 26, staging ring 0): the first step placed the state for 1.47 s,
+    # and the step after it, measured, was 16.09 s against 17.01 and 17.05 after (its exposed update 0.35 s, 1.35 after)
+    record = json.loads((REPO / "bench/results/2026-12-07_h100x1_session26_megatrain_ring_0.json").read_text())
+    run = record["runs"][0]
+    telemetry = [dict(zip(run["telemetry_steps"], values, strict=True))
+                 for values in zip(*run["telemetry_steps"].values(), strict=True)]
+    assert harness.after_placement_pause(telemetry, warmup=1) == [1]
+    assert harness.after_placement_pause(telemetry, warmup=2) == []  # what gpu_checks.sh's MegaTrain stages measure
+    assert harness.after_placement_pause([{"zoff/placement_s": 0.1}, {}, {"zoff/placement_s": 0.3}, {}], 0) == [3]
+    assert harness.after_placement_pause([{}, {}], 1) == []  # no zoff telemetry (DeepSpeed, GPU-only)
+    note = bench.paused({**run, "after_placement_pause": [1]})
+    assert "step(s) [1] follow a placement pause" in note
+    assert "16.092s" in note
+    assert bench.paused(run) == ""  # the file predates the field
 
 def test_text_data_is_the_main_jobs_corpus_in_shuffled_windows():
     from zoffbench.data import TextTokens

@@ -221,6 +221,17 @@ def between(run: dict) -> str:
     return "" if seconds is None else f" (between phases {seconds:.3f}s)"
 
 
+def paused(run: dict) -> str:
+    """A warning where measured steps followed a placement pause (`harness.after_placement_pause`): their time flatters
+    the run; a larger --warmup measures past them."""
+    steps = run.get("after_placement_pause")
+    if not steps:
+        return ""
+    times = ", ".join(f"{run['steps'][i]:.3f}s" for i in steps)
+    return (f"\n{'':>18} note: step(s) {steps} follow a placement pause (their first forward met no host update):"
+            f" {times}; a larger --warmup measures past them")
+
+
 def compare(runs: list[dict]) -> None:
     """Each run's throughput against gpu_only's and the fastest exact DeepSpeed run's at the same accumulation."""
     for r in runs:
@@ -350,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
                   f" other={r['other_s']:.3f}s{between(r)} busy={r['gpu_busy_fraction']:.0%}"
                   f" TFLOP/s={r['model_tflops']:.0f}"
                   f" peak_gpu={r['peak_gpu_gb']:.1f}GB active={r.get('peak_gpu_active_gb') or 0:.1f}GB"
-                  f" reserved={r['peak_gpu_reserved_gb']:.1f}GB host={r['host_gb']:.1f}GB", flush=True)
+                  f" reserved={r['peak_gpu_reserved_gb']:.1f}GB host={r['host_gb']:.1f}GB{paused(r)}", flush=True)
     compare(runs)
     print(f"\nmachine: {describe(machine())}\n{'run':>30} {'acc':>4} {'step s':>8} {'tokens/s':>10} {'fwd s':>7}"
           f" {'bwd s':>7} {'exposed opt s':>14} {'peak GPU GB':>12} {'host GB':>8} {'vs gpu_only':>12}"

@@ -485,10 +485,23 @@ class StepMeasurement:
     # torch's "active" peak: blocks allocated, or freed but not yet reusable (another stream's work on them pending),
     # which peak_gpu_gb no longer counts
     peak_gpu_active_gb: float | None = None
+    # measured steps (indices into `steps`) right after a step whose placement paused the accelerator: the host's
+    # update finished in that pause, so their first forward met none of it, a time no later step sees
+    after_placement_pause: list[int] | None = None
 
     def fields(self) -> dict[str, Any]:
         return _fields(self, optional=("inexact_because", "deepspeed_config", "host_floor", "recomputed_blocks"))
 
+
+
+PLACEMENT_PAUSE_S = 0.25  # a placement this long lets much of a 7B model's host update finish unseen (1x H100)
+
+
+def after_placement_pause(telemetry: list[dict[str, float]], warmup: int) -> list[int]:
+    """The measured steps (after `warmup`) whose previous step's placement (zoff's `placement_s`, the step's own, not
+    late) held the accelerator idle at least PLACEMENT_PAUSE_S."""
+    return [i for i in range(max(warmup, 1), len(telemetry))
+            if telemetry[i - 1].get("zoff/placement_s", 0.0) >= PLACEMENT_PAUSE_S]
 
 
 def clipped_fraction(norms: list[float], clip: float | None) -> float | None:

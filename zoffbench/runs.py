@@ -28,7 +28,7 @@ from zoffbench.fsdp_runs import (
     fsdp1_strategy,
     host_params_strategy,
 )
-from zoffbench.harness import BenchRun, StepMeasurement, clipped_fraction, parse_options
+from zoffbench.harness import BenchRun, StepMeasurement, after_placement_pause, clipped_fraction, parse_options
 from zoffbench.host_floor import host_floor
 from zoffbench.model_shapes import model_shape
 from zoffbench.recompute import block_class, recompute_blocks, recompute_forwards
@@ -419,7 +419,8 @@ def measured_run(run: BenchRun, zoff_options: dict, trainer: Any, timer: Any, mo
         deepspeed_config=deepspeed_config, recomputed_blocks=recomputed_blocks(trainer.strategy, module),
         gpu_alloc_retries_per_step=retries_per_step(timer.alloc_retries, timer.retries_before_first),
         gpu_reserved_by_stream=timer.reserved_by_stream, gpu_alloc_retry_causes=timer.retry_causes,
-        gpu_step_peak=timer.step_peak, gpu_idle=timer.gpu_idle)
+        gpu_step_peak=timer.step_peak, gpu_idle=timer.gpu_idle,
+        after_placement_pause=after_placement_pause(timer.zoff, warmup) or None)
     return run.entry(**measurement.fields())
 
 

@@ -24,9 +24,14 @@ print('steps', [round(x, 2) for x in r.get('steps', [])])
 for k in ('zoff/exposed_optimizer_s', 'zoff/first_forward_s', 'zoff/forward_s', 'zoff/cpu_update_s', 'zoff/lent_units', 'zoff/between_s', 'zoff/landing_wait_s'):
     print(k, [None if x is None else round(x, 3) for x in t.get(k, [])])" "$1"
 }
-megatrain_short() {  # NAME OPTION LIMIT_S: MegaTrain's configuration with one zoff option, 3 measured steps after 1,
+# MegaTrain's configuration measures from its third step: its first step places the state (the GPU idles 1.5-2 s while
+# the host's update finishes), so the second step's first forward waits for no update (exposed 0.15-0.35 s a step
+# against 1.35-1.64 s in every later one: files 2026-12-07_h100x1_session2{5,6}_*megatrain*), a step that flatters
+MEGATRAIN_WARMUP=2
+megatrain_short() {  # NAME OPTION LIMIT_S: MegaTrain's configuration with one zoff option, 3 measured steps after 2,
   # into $OUT/NAME.json within LIMIT_S; prints the table's zoff line after the option
-  timeout $3 python3 scripts/bench/bench.py --config megatrain_qwen25_7b --runs zoff --warmup 1 --steps 3 $(h100_cap) \
+  timeout $3 python3 scripts/bench/bench.py --config megatrain_qwen25_7b --runs zoff --warmup $MEGATRAIN_WARMUP --steps 3 \
+      $(h100_cap) \
       --zoff-option "$2" --run-timeout-s $(( $3 - 5 )) --out "$OUT/$1.json" 2>&1 | grep -v "^INFO" \
       | grep -E "^ +zoff " | sed "s/^/$2: /"
 }
@@ -278,20 +283,22 @@ for stage in "$@"; do
         esac
       done ;;
     megatrain_zoff)  # issue 53's first figure alone: zoff at MegaTrain's Qwen2.5-7B configuration (4 workers, default
-      # options), 5 steps; on a GPU larger than an H100's 80 GB the allocator is capped at the H100's 79.2 GiB (the plan
-      # reads the cap), so the plan chooses as on the H100; the compute is the larger card's
+      # options), 5 steps after 2 (the first step's placement pauses the GPU ~1.5-2 s while the host finishes its update,
+      # so the next step meets no update: 16.1-16.9 s against 17.0-18.4 after; see MEGATRAIN_WARMUP at the top); on a GPU
+      # larger than an H100's 80 GB the allocator is capped at the H100's 79.2 GiB (the plan reads the cap), so the plan
+      # chooses as on the H100; the compute is the larger card's
       cap=$(h100_cap)
-      timeout 280 python3 scripts/bench/bench.py --config megatrain_qwen25_7b --runs zoff --warmup 1 --steps 5 $cap \
-          --run-timeout-s 270 --out "$OUT/megatrain_qwen25_7b_zoff.json" 2>&1 | tee "$OUT/megatrain_zoff.log" \
+      timeout 300 python3 scripts/bench/bench.py --config megatrain_qwen25_7b --runs zoff --warmup $MEGATRAIN_WARMUP \
+          --steps 5 $cap --run-timeout-s 290 --out "$OUT/megatrain_qwen25_7b_zoff.json" 2>&1 | tee "$OUT/megatrain_zoff.log" \
           | grep -v "^INFO" | tail -6 | tee "$OUT/megatrain_zoff.txt"
       python3 -c "import json,sys; print(*json.load(open(sys.argv[1]))['runs'][0].get('zoff_lines', []), sep='\n')" \
           "$OUT/megatrain_qwen25_7b_zoff.json" | cut -c1-700
       per_step "$OUT/megatrain_qwen25_7b_zoff.json" ;;
     megatrain_recompute)  # issue 53 item 1's curve: MegaTrain's configuration with the recomputed blocks pinned
       # ($MEGATRAIN_BLOCKS, default "15 18 22"; "auto" chose 13 at e3a6f47 and 15 at 7649c47: 17.39 and 17.13 s a
-      # step), state placed by "auto" beside each; 3 measured steps after 1 (~100 s setup + ~70 s each run)
+      # step), state placed by "auto" beside each; 3 measured steps after 2 (~100 s setup + ~90 s each run)
       for blocks in ${MEGATRAIN_BLOCKS:-15 18 22}; do
-        megatrain_short megatrain_recompute_$blocks "activation_checkpointing_policy=$blocks" 190 \
+        megatrain_short megatrain_recompute_$blocks "activation_checkpointing_policy=$blocks" 210 \
             | tee -a "$OUT/megatrain_recompute.txt"
         python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['runs'][0]; t=r['telemetry_median']; print(
             'blocks', r.get('recomputed_blocks'), 'GPU units', r['memory'].get('accelerator_units'), 'lent',
@@ -301,7 +308,7 @@ for stage in "$@"; do
       done ;;
     megatrain_ring)  # issue 53: MegaTrain's configuration with the staging ring at $RING_UNITS units (default "0 3":
       # none, a landing buffer per host unit as before be1d3d6, then the default; RING_UNITS=12 in a second call), 3
-      # measured steps after 1 each (setup 64-114 s + ~75 s + exit: up to 200 s; each run gets at most 280 s of what is
+      # measured steps after 2 each (setup 64-114 s + ~95 s + exit: up to 220 s; each run gets at most 280 s of what is
       # left of 585): recomputed blocks, the GPU's share of the state, backward's wait for landing room
       for units in ${RING_UNITS:-0 3}; do
         left=$(( 585 - SECONDS )); limit=$(( left < 280 ? left : 280 ))
@@ -315,9 +322,9 @@ print('ring', sys.argv[2], 'recomputed', r.get('recomputed_blocks'), 'gpu state 
       done ;;
     megatrain_threads)  # does the host's update starve the training thread? MegaTrain's configuration with the update
       # kernels on $MEGATRAIN_THREADS threads (default "16 14": all the cores, then two left to the training thread
-      # and the loader), 3 measured steps after 1 each (55-110 s setup + ~70 s); each step's first forward and exposed update
+      # and the loader), 3 measured steps after 2 each (55-110 s setup + ~90 s); each step's first forward and exposed update
       for threads in ${MEGATRAIN_THREADS:-16 14}; do
-        megatrain_short megatrain_threads_$threads "cpu_threads=$threads" 215 | tee -a "$OUT/megatrain_threads.txt"
+        megatrain_short megatrain_threads_$threads "cpu_threads=$threads" 235 | tee -a "$OUT/megatrain_threads.txt"
         per_step "$OUT/megatrain_threads_$threads.json" | tee -a "$OUT/megatrain_threads.txt"
       done ;;
     idle_profile)  # where the GPU idles in a step (zoffbench/gpu_idle.py: ZOFF_BENCH_PROFILE=1 profiles each run's
@@ -367,11 +374,11 @@ print('ring', sys.argv[2], 'recomputed', r.get('recomputed_blocks'), 'gpu state 
           # MegaTrain's Qwen2.5-7B (seq 1024, batch 8 x 18, 4 workers, blocks recomputed): zoff's setup took 55-115 s
           # and its 6 steps ~110 s (session 21b: 222 s in all; session 23 cut at 235 s after its last step); DeepSpeed
           # builds under zero.Init, then its CPU Adam's first update
-          megatrain) peers peers_megatrain_qwen25_7b 585 --config megatrain_qwen25_7b --warmup 1 \
-                         --runs zoff deepspeed_zero3_offload --run-timeout-s zoff=300 deepspeed_zero3_offload=260
+          megatrain) peers peers_megatrain_qwen25_7b 585 --config megatrain_qwen25_7b --warmup $MEGATRAIN_WARMUP \
+                         --runs zoff deepspeed_zero3_offload --run-timeout-s zoff=320 deepspeed_zero3_offload=250
                      per_step "$OUT/peers_megatrain_qwen25_7b.json" 2>&1 ;;
           # the offloads that build the fp32 model on the host first (session 23: not done with it in 80-90 s)
-          megatrain_offload) peers peers_megatrain_qwen25_7b_all 585 --config megatrain_qwen25_7b --warmup 1 \
+          megatrain_offload) peers peers_megatrain_qwen25_7b_all 585 --config megatrain_qwen25_7b --warmup $MEGATRAIN_WARMUP \
                                  ${PEERS_ADD_TO:+--add-to "$PEERS_ADD_TO"} \
                                  --runs fsdp_cpu_offload fsdp2_cpu_offload torchao_cpu_offload \
                                  --run-timeout-s fsdp_cpu_offload=185 fsdp2_cpu_offload=185 torchao_cpu_offload=185 ;;
