@@ -493,7 +493,6 @@ class StepMeasurement:
         return _fields(self, optional=("inexact_because", "deepspeed_config", "host_floor", "recomputed_blocks"))
 
 
-
 PLACEMENT_PAUSE_S = 0.25  # a placement this long lets much of a 7B model's host update finish unseen (1x H100)
 
 
